@@ -1,0 +1,33 @@
+# Every target works on a fresh machine: `venv` creates .venv and installs the pinned stack.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: venv demo test lint bench clean
+
+$(STAMP): requirements.txt requirements-dev.txt pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -r requirements-dev.txt
+	$(BIN)/pip install -q --no-deps -e .
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+## demo: make sample frames, train the autoencoder on 1 and 2 CPU processes, print the scaling table, export ONNX
+demo: $(STAMP)
+	bash scripts/demo.sh
+
+## test: the whole suite, as CI runs it
+test: $(STAMP)
+	$(BIN)/python -m pytest -q --durations=20
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests benchmarks
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/overhead.py
+
+clean:
+	rm -rf runs build *.egg-info

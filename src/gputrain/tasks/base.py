@@ -1,0 +1,55 @@
+"""What a task is: a model, how a batch feeds it, a loss and an evaluator. No parallelism here."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from gputrain.metrics.base import Evaluator, MeanLoss
+
+
+class Task:
+    """Default behaviour: ``batch = (inputs, targets)``, ``loss = criterion(model(inputs), targets)``.
+
+    Subclasses override only what differs (an autoencoder's target is its input; Mask R-CNN
+    takes targets in forward and returns its losses).
+    """
+
+    targets_to_model: bool = False
+    """True when the model itself consumes the targets (they then go to the input device)."""
+
+    def __init__(self, criterion: Callable[..., torch.Tensor] | None = None) -> None:
+        self.criterion = criterion
+
+    def build_model(self) -> nn.Module:
+        raise NotImplementedError(f"{type(self).__name__} builds no model; pass one to Trainer.fit")
+
+    def collate_fn(self) -> Callable[[list[Any]], Any] | None:
+        """The DataLoader collate function; None means torch's default."""
+        return None
+
+    def split_batch(self, batch: Any) -> tuple[Any, Any]:
+        inputs, targets = batch[0], batch[1]
+        return inputs, targets
+
+    def batch_size(self, inputs: Any) -> int:
+        return len(inputs)
+
+    def forward(self, model: nn.Module, inputs: Any, targets: Any) -> Any:
+        return model(inputs)
+
+    def loss(self, outputs: Any, targets: Any) -> torch.Tensor:
+        if self.criterion is None:
+            raise ValueError("no loss given: pass loss=... to Trainer.fit or set it in the task")
+        return self.criterion(outputs, targets)
+
+    def evaluate_batch(self, model: nn.Module, inputs: Any, targets: Any) -> tuple[Any, torch.Tensor | None]:
+        """Eval-mode outputs and the batch loss (None where the task has no eval loss)."""
+        outputs = model(inputs)
+        return outputs, self.loss(outputs, targets)
+
+    def evaluator(self) -> Evaluator:
+        return MeanLoss()
