@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import sys
 import uuid
@@ -76,6 +77,8 @@ def run_torchrun(spec: LaunchSpec, module: str, module_args: Sequence[str]) -> N
     """Run ``python -m module module_args`` in ``spec.nproc_per_node`` workers via torchrun."""
     from torch.distributed.run import get_args_parser, run
 
+    # torchrun would set 1 thread per worker and warn; a share of the cores is a better default.
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // spec.nproc_per_node)))
     # --no-python with sys.executable keeps the workers on the interpreter (and venv) we run in.
     argv = ["--no-python", *torchrun_args(spec, [sys.executable, "-m", module, *module_args])]
     run(get_args_parser().parse_args(argv))

@@ -1,0 +1,31 @@
+"""Model builders. Built-in names map to functions in this package; any ``package.module:function`` works too.
+
+Model code knows nothing about parallelism: strategies wrap models, models never wrap themselves.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from gputrain.imports import resolve
+
+BUILTIN_MODELS: dict[str, str] = {
+    "conv_autoencoder": "gputrain.models.vision:conv_autoencoder",
+    "resnet18": "gputrain.models.vision:resnet18_classifier",
+    "resnet50": "gputrain.models.vision:resnet50_classifier",
+    "deeplabv3plus": "gputrain.models.deeplabv3plus:DeepLabV3Plus",
+    "maskrcnn_resnet50_fpn": "gputrain.models.vision:maskrcnn",
+}
+
+
+def build_model(name: str, **kwargs: Any) -> nn.Module:
+    """``name`` is a key of :data:`BUILTIN_MODELS` or ``package.module:function``."""
+    target = BUILTIN_MODELS.get(name, name)
+    if ":" not in target:
+        raise ValueError(f"model.name={name!r} is unknown; built-in: {sorted(BUILTIN_MODELS)}, or package.module:function")
+    model = resolve(target, field="model.name")(**kwargs)
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model.name={name!r} returned {type(model).__name__}, not an nn.Module")
+    return model

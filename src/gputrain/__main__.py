@@ -1,0 +1,5 @@
+import sys
+
+from gputrain.cli import main
+
+sys.exit(main())

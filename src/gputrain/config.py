@@ -1,0 +1,207 @@
+"""Typed run configuration: dataclasses, YAML recipes, dotted ``key=value`` overrides.
+
+OmegaConf does the merging and type checking (a string given for an int field is refused
+with the field's dotted name); the dataclasses are the single source of defaults.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    """Where the data is and how it is split and read."""
+
+    root: str = "data/frames"
+    """Folder (or file) the task's dataset reads; relative paths are taken from the working directory."""
+    val_root: str = ""
+    """Separate validation folder; empty means split ``root`` with ``val_fraction``."""
+    annotations: str = ""
+    """Annotation file for formats that have one (COCO instances JSON)."""
+    val_fraction: float = 0.5
+    """Share of ``root`` held out for validation when ``val_root`` is empty."""
+    split_seed: int = 0
+    """Seed of the train/val split; independent of the training seed so splits stay put."""
+    image_size: int = 0
+    """Side images are resized or cropped to; 0 keeps the files' size."""
+    num_classes: int = 0
+    """Class count for classification and segmentation; checked against the labels."""
+    num_workers: int = 0
+    """DataLoader worker processes per rank."""
+    augment: bool = True
+    """Random training augmentation where the task has one."""
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    """Which model to build: a built-in name, or ``package.module:function`` for your own."""
+
+    name: str = ""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments passed to the model's builder."""
+
+
+@dataclass(kw_only=True)
+class OptimConfig:
+    """The optimizer; ``lr`` is for the global batch the recipe states (no silent rescaling)."""
+
+    name: str = "adam"
+    """sgd, adam or adamw."""
+    lr: float = 1e-3
+    momentum: float = 0.9
+    """SGD momentum (ignored by Adam)."""
+    weight_decay: float = 0.0
+    nesterov: bool = False
+
+
+@dataclass(kw_only=True)
+class SchedulerConfig:
+    """Learning-rate schedule, stepped once per optimizer step."""
+
+    name: str = "constant"
+    """constant, cosine, poly or step."""
+    warmup_steps: int = 0
+    """Linear warm-up from 0 over this many optimizer steps."""
+    power: float = 0.9
+    """Exponent of the poly schedule (DeepLab's)."""
+    step_epochs: int = 30
+    """Epochs between decays of the step schedule."""
+    gamma: float = 0.1
+    """Decay factor of the step schedule."""
+    min_lr_ratio: float = 0.0
+    """Floor of cosine and poly, as a fraction of ``lr``."""
+
+
+@dataclass(kw_only=True)
+class TrainerConfig:
+    """How to run: strategy, devices, precision, loop length and outputs."""
+
+    strategy: str = "ddp"
+    """single, ddp or dp."""
+    accelerator: str = "auto"
+    """auto, cpu or cuda."""
+    devices: int = 1
+    """Processes per node for ddp (one per GPU); GPUs of one process for dp use ``dp_device_ids``."""
+    precision: str = "32"
+    """32, 16-mixed or bf16-mixed."""
+    epochs: int = 10
+    batch_size: int = 32
+    """Per device (per process). The global batch is batch_size x world size x accumulation."""
+    eval_batch_size: int = 0
+    """Per device during evaluation; 0 means ``batch_size``."""
+    accumulate_grad_batches: int = 1
+    """Micro-batches per optimizer step; gradients are not all-reduced between them."""
+    grad_clip_norm: float = 0.0
+    """Clip the global gradient norm to this; 0 disables."""
+    seed: int = 0
+    drop_last: bool = False
+    """Drop the tail of the epoch that does not fill every rank (else pad it, as DistributedSampler)."""
+    out: str = "runs/latest"
+    resume: str = ""
+    """``auto`` (out/checkpoints/last.pt if present), a checkpoint path, or empty."""
+    log_every_n_steps: int = 10
+    checkpoint_every_n_epochs: int = 1
+    """Also keep ``epoch_NNNN.pt`` every n epochs; ``last.pt`` is written every epoch. 0 keeps only last.pt."""
+    eval_every_n_epochs: int = 1
+    loggers: list[str] = field(default_factory=lambda: ["csv"])
+    """Any of csv, tensorboard, wandb (metrics.jsonl is always written)."""
+    wandb_project: str = "gputrain"
+    wandb_mode: str = "offline"
+    """offline needs no network; ``online`` needs an API key."""
+    progress_bar: bool = True
+    sync_batchnorm: bool = False
+    """Synchronise BatchNorm statistics across ranks (torch's SyncBatchNorm on CUDA, ours on CPU)."""
+    find_unused_parameters: bool = False
+    dp_device_ids: list[int] | None = None
+    """GPUs for strategy dp; None means all visible."""
+    dp_output_device: int | None = None
+    """GPU where dp gathers outputs; None means dp_device_ids[0]."""
+    max_steps_per_epoch: int = 0
+    """Stop each epoch after this many optimizer steps (smoke tests, parity); 0 means the whole epoch."""
+
+
+@dataclass(kw_only=True)
+class LaunchConfig:
+    """Multi-node arguments, passed through to torchrun's rendezvous."""
+
+    nnodes: int = 1
+    node_rank: int = 0
+    rdzv_endpoint: str = ""
+    rdzv_id: str = "gputrain"
+    max_restarts: int = 0
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    """Everything one training run needs; saved as ``config.yaml`` in the run folder."""
+
+    task: str = "autoencoder"
+    """A built-in task (autoencoder, classification, segmentation, detection) or ``package.module:function``."""
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+
+
+def builtin_recipes() -> list[str]:
+    """Names of the recipes shipped with the package."""
+    folder = resources.files("gputrain") / "recipes"
+    return sorted(p.name.removesuffix(".yaml") for p in folder.iterdir() if p.name.endswith(".yaml"))
+
+
+def recipe_path(recipe: str) -> Path:
+    """A recipe name (built-in) or a YAML path, as a path that exists."""
+    path = Path(recipe)
+    if path.suffix in (".yaml", ".yml"):
+        if not path.is_file():
+            raise FileNotFoundError(f"recipe file {path} does not exist")
+        return path
+    candidate = resources.files("gputrain") / "recipes" / f"{recipe}.yaml"
+    if not candidate.is_file():
+        raise ValueError(f"unknown recipe {recipe!r}; built-in recipes: {', '.join(builtin_recipes())}, or a .yaml path")
+    return Path(str(candidate))
+
+
+def load_config(recipe: str | None = None, overrides: list[str] | None = None) -> RunConfig:
+    """Defaults, then the recipe's YAML, then dotted overrides (``trainer.epochs=3``)."""
+    layers = [OmegaConf.structured(RunConfig)]
+    try:
+        if recipe:
+            layers.append(OmegaConf.load(recipe_path(recipe)))
+        if overrides:
+            layers.append(OmegaConf.from_dotlist(list(overrides)))
+        merged = OmegaConf.merge(*layers)
+        cfg = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as err:
+        # OmegaConf names the dotted key (full_key) and the expected type; keep that, drop the noise.
+        key = getattr(err, "full_key", None) or "?"
+        raise ValueError(f"bad config value for {key}: {err.msg if hasattr(err, 'msg') else err}") from None
+    assert isinstance(cfg, RunConfig)
+    return cfg
+
+
+def config_from_dict(data: dict[str, Any]) -> RunConfig:
+    """The :class:`RunConfig` saved in a checkpoint (``to_dict``), type-checked again."""
+    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RunConfig), data))
+    assert isinstance(cfg, RunConfig)
+    return cfg
+
+
+def to_yaml(cfg: RunConfig) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def to_dict(cfg: RunConfig) -> dict[str, Any]:
+    """Plain containers only (safe for ``torch.load(weights_only=True)``)."""
+    out = OmegaConf.to_container(OmegaConf.structured(cfg))
+    assert isinstance(out, dict)
+    return out

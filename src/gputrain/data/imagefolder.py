@@ -1,0 +1,74 @@
+"""Unlabelled images from any nested folder (frames of a video, say), and a generator of sample frames."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+import torchvision.transforms.v2.functional as TF
+from torch.utils.data import Dataset
+from torchvision.io import encode_jpeg, encode_png, write_file
+
+from gputrain.data.images import read_image_rgb
+
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".webp")
+
+
+def list_images(root: str | Path) -> list[Path]:
+    """Every image file below ``root``, sorted, so that indices mean the same on every rank."""
+    root = Path(root)
+    if not root.is_dir():
+        raise FileNotFoundError(f"data.root={root} is not a folder; make one with `gputrain data make imagefolder --out {root}`")
+    files = sorted(p for p in root.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file())
+    if not files:
+        raise FileNotFoundError(f"no images ({', '.join(IMAGE_SUFFIXES)}) under data.root={root}")
+    return files
+
+
+class ImageFiles(Dataset[torch.Tensor]):
+    """Images as float CHW tensors in [0, 1]; labels (sub-folders) are ignored."""
+
+    def __init__(self, files: list[Path], image_size: int = 0) -> None:
+        self.files = files
+        self.image_size = image_size
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        image = read_image_rgb(self.files[index])
+        if self.image_size:
+            image = TF.resize(image, [self.image_size, self.image_size], antialias=True)
+        return image.float().div_(255)
+
+
+def make_frames(out: str | Path, *, count: int = 512, size: int = 80, videos: int = 4, seed: int = 0) -> Path:
+    """Write ``count`` JPEG frames of moving shapes over gradients, in ``videos`` sub-folders.
+
+    Frames of one video share a background and shapes that move smoothly, so an autoencoder
+    has real structure to learn; they are real image files read by the same loader as user data.
+    """
+    out = Path(out)
+    g = torch.Generator().manual_seed(seed)
+    ys, xs = torch.meshgrid(torch.linspace(0, 1, size), torch.linspace(0, 1, size), indexing="ij")
+    per_video = math.ceil(count / videos)
+    written = 0
+    for v in range(videos):
+        folder = out / f"video_{v:02d}"
+        folder.mkdir(parents=True, exist_ok=True)
+        c0, c1 = torch.rand(3, 1, 1, generator=g), torch.rand(3, 1, 1, generator=g)
+        background = c0 * xs + c1 * ys
+        shapes = [(torch.rand(3, generator=g), torch.rand(2, generator=g), torch.rand(2, generator=g) * 0.04 - 0.02,
+                   0.08 + 0.12 * float(torch.rand(1, generator=g))) for _ in range(3)]
+        for f in range(min(per_video, count - written)):
+            frame = background.clone()
+            for colour, start, velocity, radius in shapes:
+                cy, cx = ((start + velocity * f) % 1.0).tolist()
+                inside = ((ys - cy) ** 2 + (xs - cx) ** 2) < radius**2
+                frame = torch.where(inside, colour.view(3, 1, 1), frame)
+            pixels = (frame.clamp(0, 1) * 255).round().to(torch.uint8)
+            encoded = encode_jpeg(pixels, quality=92) if f % 4 else encode_png(pixels)
+            write_file(str(folder / f"frame_{f:04d}.{'jpg' if f % 4 else 'png'}"), encoded)
+            written += 1
+    return out

@@ -1,0 +1,185 @@
+"""Image and mask reading shared by every loader, plus the drawing helpers of the sample-data generators.
+
+Every loader decodes through :func:`read_image_rgb`, so a truncated or corrupt file fails the same way
+everywhere: a :class:`DataError` that names the path and says what to do, instead of a C++ stack trace
+from a DataLoader worker that hides which of a million files was bad. There is deliberately no fallback
+to another decoder: a file one library half-decodes is a file that should be re-exported.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+from torch import Tensor
+from torchvision.io import ImageReadMode, decode_image, read_file
+from torchvision.transforms import v2
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+#: Suffixes :func:`read_image_rgb` can decode (those of ``torchvision.io.decode_image``).
+DECODABLE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".gif")
+
+PathLike = str | os.PathLike[str]
+
+
+class DataError(ValueError):
+    """A data file or annotation is unusable; the message names it and says how to fix it."""
+
+
+def _short(err: BaseException) -> str:
+    # torchvision prefixes its messages with "function, /build/path/file.cpp:123, "; drop that noise.
+    return re.sub(r"^[\w:]+, \S+:\d+, ", "", str(err)).strip()
+
+
+def read_image_rgb(path: PathLike) -> Tensor:
+    """Decode a JPEG/PNG/WebP/GIF file into a ``uint8`` tensor of shape ``(3, H, W)``.
+
+    Grey and palette images are converted to RGB. Raises :class:`DataError` naming ``path`` when the
+    file is missing, empty, truncated, corrupt or of a format torchvision cannot decode.
+    """
+    p = Path(path)
+    try:
+        data = read_file(str(p))
+    except RuntimeError as e:
+        raise DataError(f"cannot read image {p}: {_short(e)}; check that the file exists and is readable") from e
+    if data.numel() == 0:
+        raise DataError(f"image {p} is empty (0 bytes); remove the file or re-export it")
+    try:
+        return decode_image(data, mode=ImageReadMode.RGB)
+    except RuntimeError as e:
+        raise DataError(
+            f"image {p} is unreadable, truncated or corrupt ({_short(e)}); remove the file or re-export it "
+            f"as JPEG or PNG (supported: {', '.join(DECODABLE_SUFFIXES)})"
+        ) from e
+
+
+def read_mask(path: PathLike) -> Tensor:
+    """Read a single-channel label PNG (mode ``L``, ``P``, ``I`` or ``I;16``) into an ``int64`` ``(H, W)`` tensor.
+
+    PIL is used rather than torchvision because torchvision expands palette PNGs to RGB, which would
+    turn class indices into colours; PIL returns the indices themselves.
+    """
+    p = Path(path)
+    try:
+        with Image.open(p) as im:
+            im.load()  # PIL opens lazily; force the decode here so truncation is caught here
+            if im.mode not in ("L", "P", "I", "I;16", "1"):
+                raise DataError(
+                    f"mask {p} has mode {im.mode!r}; a mask must be one channel of class indices "
+                    "(mode L, P or I); re-export it as a greyscale or palette PNG"
+                )
+            arr = np.array(im)
+    except DataError:
+        raise
+    except FileNotFoundError as e:
+        raise DataError(f"mask {p} does not exist; check the annotation folder") from e
+    except (OSError, SyntaxError, ValueError) as e:
+        raise DataError(f"mask {p} is unreadable, truncated or corrupt ({e}); remove the file or re-export it") from e
+    return torch.from_numpy(arr.astype(np.int64))
+
+
+def image_size(path: PathLike) -> tuple[int, int]:
+    """``(height, width)`` of an image from its header only (no pixel decode); for cheap validation."""
+    p = Path(path)
+    try:
+        with Image.open(p) as im:
+            w, h = im.size
+    except (OSError, SyntaxError) as e:
+        raise DataError(f"cannot read the header of {p} ({e}); remove the file or re-export it") from e
+    return h, w
+
+
+def normalize_transform(mean: tuple[float, ...], std: tuple[float, ...]) -> Callable[..., object]:
+    """``uint8`` image → ``float32`` in ``[0, 1]`` → normalized by ``mean``/``std`` (masks pass through)."""
+    return v2.Compose([v2.ToDtype(torch.float32, scale=True), v2.Normalize(list(mean), list(std))])
+
+
+def seeded_split(n: int, val_fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    """Split ``range(n)`` into sorted, disjoint ``(train_idx, val_idx)``; depends on ``(n, val_fraction, seed)`` only.
+
+    The validation part has ``round(n * val_fraction)`` items, at least one when ``val_fraction > 0``.
+    """
+    if not 0.0 <= val_fraction < 1.0:
+        raise ValueError(f"val_fraction={val_fraction} must be in [0, 1); use e.g. 0.2 for an 8:2 split")
+    n_val = round(n * val_fraction)
+    if val_fraction > 0:
+        n_val = max(n_val, 1)
+    if n_val >= n and n > 0:
+        raise ValueError(f"val_fraction={val_fraction} of {n} items leaves nothing to train on; lower it or add data")
+    g = torch.Generator()
+    g.manual_seed(seed)
+    perm = torch.randperm(n, generator=g).tolist()
+    return sorted(perm[n_val:]), sorted(perm[:n_val])
+
+
+# ---- drawing helpers for the sample-data generators -------------------------------------------------------
+
+#: Shapes the generators draw; class ``i`` of a generated set draws ``SHAPES[i % len(SHAPES)]``.
+SHAPES = ("square", "circle", "triangle", "cross", "ring", "diamond", "hstripes", "vstripes", "checker", "x")
+
+
+def class_colour(i: int) -> tuple[int, int, int]:
+    """A bright RGB colour for class ``i``; hues are spread by the golden ratio so neighbours differ."""
+    hue = (i * 0.618033988749895) % 1.0
+    value = 1.0 if (i // 10) % 2 == 0 else 0.7  # a second brightness band keeps classes >= 10 apart
+    rgb = []
+    for shift in (0.0, 2.0 / 3.0, 1.0 / 3.0):
+        x = abs(((hue + shift) % 1.0) * 6.0 - 3.0) - 1.0
+        rgb.append(round(255 * value * min(max(x, 0.0), 1.0)))
+    return rgb[0], rgb[1], rgb[2]
+
+
+def shape_mask(kind: str, height: int, width: int, cy: float, cx: float, r: float) -> np.ndarray:
+    """Boolean ``(height, width)`` mask of a shape of half-size ``r`` centred at ``(cy, cx)``."""
+    yy, xx = np.mgrid[0:height, 0:width].astype(np.float32)
+    dy, dx = yy - cy, xx - cx
+    box = (np.abs(dx) <= r) & (np.abs(dy) <= r)
+    dist = np.sqrt(dx * dx + dy * dy)
+    period = max(2, round(r / 3))
+    masks = {
+        "square": lambda: box,
+        "circle": lambda: dist <= r,
+        "triangle": lambda: (np.abs(dy) <= r) & (np.abs(dx) <= (dy + r) / 2),
+        "cross": lambda: box & ((np.abs(dx) <= r / 3) | (np.abs(dy) <= r / 3)),
+        "ring": lambda: (dist <= r) & (dist >= r / 2),
+        "diamond": lambda: np.abs(dx) + np.abs(dy) <= r,
+        "hstripes": lambda: box & ((yy // period) % 2 == 0),
+        "vstripes": lambda: box & ((xx // period) % 2 == 0),
+        "checker": lambda: box & (((xx // period) + (yy // period)) % 2 == 0),
+        "x": lambda: box & (np.abs(np.abs(dx) - np.abs(dy)) <= max(1.0, r / 4)),
+    }
+    if kind not in masks:
+        raise ValueError(f"unknown shape {kind!r}; use one of {SHAPES}")
+    return masks[kind]()
+
+
+def noisy_background(rng: np.random.Generator, height: int, width: int) -> np.ndarray:
+    """A dim, noisy ``uint8`` ``(H, W, 3)`` background of random tint, so colour alone is not the background."""
+    tint = rng.integers(0, 90, size=3)
+    noise = rng.normal(0, 18, size=(height, width, 3))
+    return np.clip(tint + noise, 0, 255).astype(np.uint8)
+
+
+def paint(canvas: np.ndarray, mask: np.ndarray, colour: tuple[int, int, int], rng: np.random.Generator) -> None:
+    """Fill ``mask`` of ``canvas`` (``H, W, 3``, in place) with ``colour`` plus mild noise."""
+    noise = rng.normal(0, 12, size=(int(mask.sum()), 3))
+    canvas[mask] = np.clip(np.asarray(colour, dtype=np.float64) + noise, 0, 255).astype(np.uint8)
+
+
+def draw_class_image(rng: np.random.Generator, cls: int, size: int) -> np.ndarray:
+    """A ``uint8`` ``(size, size, 3)`` image of class ``cls``: its shape in its colour, randomly placed and sized."""
+    canvas = noisy_background(rng, size, size)
+    r = rng.uniform(0.22, 0.36) * size
+    margin = math.ceil(r)
+    cy, cx = rng.uniform(margin, size - margin, size=2) if size > 2 * margin else (size / 2, size / 2)
+    mask = shape_mask(SHAPES[cls % len(SHAPES)], size, size, float(cy), float(cx), r)
+    paint(canvas, mask, class_colour(cls), rng)
+    return canvas

@@ -1,0 +1,148 @@
+"""Metric loggers (JSONL always; CSV, TensorBoard, Weights & Biases by choice) and the hook that feeds them.
+
+Only rank 0 creates loggers, so a job of any size is one logged run. Metrics arrive already
+reduced over ranks (the trainer does that), so what rank 0 writes describes the whole job.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from gputrain.hooks.base import Hook
+
+if TYPE_CHECKING:
+    from gputrain.loop import Trainer
+
+
+class MetricLogger:
+    """One destination for metrics."""
+
+    def log(self, metrics: dict[str, float], *, step: int, epoch: int) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class JsonlLogger(MetricLogger):
+    """``metrics.jsonl``: one JSON object per logged step or epoch, flushed as written."""
+
+    def __init__(self, path: Path, *, append: bool = False) -> None:
+        self.file = path.open("a" if append else "w", encoding="utf-8")
+
+    def log(self, metrics: dict[str, float], *, step: int, epoch: int) -> None:
+        record = {"time": round(time.time(), 3), "epoch": epoch, "step": step, **metrics}
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+
+    def close(self) -> None:
+        self.file.close()
+
+
+class CsvLogger(MetricLogger):
+    """``metrics.csv``: one row per record, one column per metric name seen so far."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.rows: list[dict[str, Any]] = []
+        self.columns: list[str] = ["epoch", "step"]
+
+    def log(self, metrics: dict[str, float], *, step: int, epoch: int) -> None:
+        self.rows.append({"epoch": epoch, "step": step, **metrics})
+        new = [k for k in metrics if k not in self.columns]
+        self.columns += new
+        if new or len(self.rows) == 1:
+            self._rewrite()  # a new column changes the header: write the whole file again
+        else:
+            with self.path.open("a", newline="", encoding="utf-8") as f:
+                csv.DictWriter(f, self.columns).writerow(self.rows[-1])
+
+    def _rewrite(self) -> None:
+        with self.path.open("w", newline="", encoding="utf-8") as f:
+            writer = csv.DictWriter(f, self.columns)
+            writer.writeheader()
+            writer.writerows(self.rows)
+
+
+class TensorBoardLogger(MetricLogger):
+    def __init__(self, folder: Path) -> None:
+        from torch.utils.tensorboard import SummaryWriter  # imports tensorboard: only when chosen
+
+        self.writer = SummaryWriter(log_dir=str(folder))
+
+    def log(self, metrics: dict[str, float], *, step: int, epoch: int) -> None:
+        for key, value in metrics.items():
+            self.writer.add_scalar(key, value, global_step=step)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class WandbLogger(MetricLogger):
+    """Weights & Biases; ``mode="offline"`` writes a local run that ``wandb sync`` can upload later."""
+
+    def __init__(self, folder: Path, *, project: str, mode: str, config: dict[str, Any], name: str) -> None:
+        try:
+            import wandb
+        except ImportError:
+            raise ImportError(
+                "trainer.loggers includes wandb but the wandb package is not installed; pip install wandb "
+                "(or drop wandb from trainer.loggers)"
+            ) from None
+        folder.mkdir(parents=True, exist_ok=True)
+        self.run = wandb.init(project=project, mode=mode, dir=str(folder), config=config, name=name,
+                              settings=wandb.Settings(silent=True, console="off"))
+
+    def log(self, metrics: dict[str, float], *, step: int, epoch: int) -> None:
+        self.run.log({**metrics, "epoch": epoch}, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+def build_loggers(names: list[str], out: Path, *, resume: bool, config: dict[str, Any], cfg_trainer: Any) -> list[MetricLogger]:
+    loggers: list[MetricLogger] = [JsonlLogger(out / "metrics.jsonl", append=resume)]
+    for name in names:
+        if name == "csv":
+            loggers.append(CsvLogger(out / "metrics.csv"))
+        elif name == "tensorboard":
+            loggers.append(TensorBoardLogger(out / "tensorboard"))
+        elif name == "wandb":
+            loggers.append(WandbLogger(out / "wandb", project=cfg_trainer.wandb_project, mode=cfg_trainer.wandb_mode,
+                                       config=config, name=out.name))
+        elif name != "jsonl":
+            raise ValueError(f"trainer.loggers has {name!r}; choose from csv, tensorboard, wandb")
+    return loggers
+
+
+class LoggingHook(Hook):
+    def __init__(self, names: list[str]) -> None:
+        self.names = names
+        self.loggers: list[MetricLogger] = []
+
+    def before_fit(self, trainer: Trainer) -> None:
+        if trainer.dist.is_main:
+            self.loggers = build_loggers(self.names, trainer.out, resume=trainer.resumed,
+                                         config=trainer.config_dict, cfg_trainer=trainer.cfg.trainer)
+
+    def _log(self, trainer: Trainer, metrics: dict[str, float]) -> None:
+        for logger in self.loggers:
+            logger.log(metrics, step=trainer.state.global_step, epoch=trainer.state.epoch)
+
+    def after_step(self, trainer: Trainer, logs: dict[str, float] | None) -> None:
+        if logs:
+            self._log(trainer, logs)
+
+    def after_epoch(self, trainer: Trainer, metrics: dict[str, float]) -> None:
+        self._log(trainer, metrics)
+
+    def after_fit(self, trainer: Trainer, summary: dict[str, Any]) -> None:
+        for logger in self.loggers:
+            logger.close()
+        self.loggers = []
+
+    on_exception = after_fit  # type: ignore[assignment]  # close files on failure too

@@ -1,0 +1,43 @@
+"""A tqdm bar on rank 0 only."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from tqdm.auto import tqdm
+
+from gputrain.hooks.base import Hook
+
+if TYPE_CHECKING:
+    from gputrain.loop import Trainer
+
+
+class ProgressHook(Hook):
+    def __init__(self) -> None:
+        self.bar: tqdm | None = None
+
+    def before_epoch(self, trainer: Trainer) -> None:
+        if trainer.dist.is_main:
+            self.bar = tqdm(
+                total=trainer.steps_per_epoch, desc=f"epoch {trainer.state.epoch + 1}/{trainer.cfg.trainer.epochs}",
+                leave=False, mininterval=1.0, dynamic_ncols=True, disable=None,  # None: off when not a TTY
+            )
+
+    def after_step(self, trainer: Trainer, logs: dict[str, float] | None) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
+            if logs and "train/loss" in logs:
+                self.bar.set_postfix(loss=f"{logs['train/loss']:.4g}", refresh=False)
+
+    def after_epoch(self, trainer: Trainer, metrics: dict[str, float]) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+        if trainer.dist.is_main:
+            shown = {k: v for k, v in metrics.items() if k.startswith(("train/loss", "val/"))}
+            text = "  ".join(f"{k}={v:.4g}" for k, v in shown.items())
+            tqdm.write(f"epoch {trainer.state.epoch}: {text}  ({metrics.get('time/epoch_s', 0):.1f} s)")
+
+    def on_exception(self, trainer: Trainer, error: BaseException) -> None:
+        if self.bar is not None:
+            self.bar.close()

@@ -1,0 +1,54 @@
+"""Optimizers and learning-rate schedules from config; the schedule is a pure function of the step."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from gputrain.config import OptimConfig, SchedulerConfig
+
+
+def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError("the model has no trainable parameters (every requires_grad is False)")
+    name = cfg.name.lower()
+    if name == "sgd":
+        return torch.optim.SGD(
+            params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay, nesterov=cfg.nesterov
+        )
+    if name == "adam":
+        return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    raise ValueError(f"optim.name={cfg.name!r} is unknown; choose sgd, adam or adamw")
+
+
+def lr_factor(step: int, total_steps: int, steps_per_epoch: int, cfg: SchedulerConfig) -> float:
+    """Multiplier of the base learning rate at optimizer step ``step`` (0-based)."""
+    if cfg.warmup_steps > 0 and step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    name = cfg.name.lower()
+    if name == "constant":
+        return 1.0
+    if name == "step":
+        return cfg.gamma ** ((step // max(steps_per_epoch, 1)) // max(cfg.step_epochs, 1))
+    span = max(total_steps - cfg.warmup_steps, 1)
+    progress = min(max(step - cfg.warmup_steps, 0) / span, 1.0)
+    floor = cfg.min_lr_ratio
+    if name == "cosine":
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+    if name == "poly":
+        return floor + (1 - floor) * (1 - progress) ** cfg.power
+    raise ValueError(f"scheduler.name={cfg.name!r} is unknown; choose constant, cosine, poly or step")
+
+
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, cfg: SchedulerConfig, *, total_steps: int, steps_per_epoch: int
+) -> torch.optim.lr_scheduler.LambdaLR:
+    lr_factor(0, total_steps, steps_per_epoch, cfg)  # fail now on a bad name, not at the first step
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: lr_factor(step, total_steps, steps_per_epoch, cfg)
+    )

@@ -1,0 +1,102 @@
+"""Precision as a plugin: the loop calls the same four methods whatever the precision.
+
+``32`` is plain float32. ``16-mixed`` runs the forward under ``torch.autocast`` in float16
+and scales the loss with a ``GradScaler`` (whose state goes into checkpoints, since a
+resumed run must start from the same scale). ``bf16-mixed`` autocasts to bfloat16, whose
+exponent range makes loss scaling unnecessary.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+
+class Precision:
+    """float32: every method is the plain PyTorch call."""
+
+    name = "32"
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    @contextlib.contextmanager
+    def forward_context(self) -> Iterator[None]:
+        yield
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def unscale(self, optimizer: torch.optim.Optimizer) -> None:
+        """Bring gradients to their true scale (before clipping)."""
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Step the optimizer; returns False when the step was skipped (non-finite gradients)."""
+        optimizer.step()
+        return True
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        return module
+
+
+class MixedPrecision(Precision):
+    """Autocast to ``dtype``; with float16 also a GradScaler."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
+        super().__init__(device)
+        self.dtype = dtype
+        self.name = "16-mixed" if dtype == torch.float16 else "bf16-mixed"
+        self.scaler = torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
+
+    @contextlib.contextmanager
+    def forward_context(self) -> Iterator[None]:
+        with torch.autocast(device_type=self.device.type, dtype=self.dtype):
+            yield
+
+    def backward(self, loss: torch.Tensor) -> None:
+        (self.scaler.scale(loss) if self.scaler else loss).backward()
+
+    def unscale(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.scaler:
+            self.scaler.unscale_(optimizer)
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> bool:
+        if self.scaler is None:
+            optimizer.step()
+            return True
+        scale_before = self.scaler.get_scale()
+        self.scaler.step(optimizer)
+        self.scaler.update()
+        # GradScaler lowers the scale exactly when it skipped the step for inf/NaN gradients.
+        return self.scaler.get_scale() >= scale_before
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"scaler": self.scaler.state_dict()} if self.scaler else {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.scaler and "scaler" in state:
+            self.scaler.load_state_dict(state["scaler"])
+
+
+def build_precision(name: str, device: torch.device) -> Precision:
+    """``32``, ``16-mixed`` or ``bf16-mixed`` for ``device``."""
+    name = str(name)
+    if name in ("32", "32-true", "fp32"):
+        return Precision(device)
+    if name in ("16-mixed", "fp16-mixed"):
+        return MixedPrecision(device, torch.float16)
+    if name in ("bf16-mixed",):
+        if device.type == "cuda" and not torch.cuda.is_bf16_supported():
+            raise ValueError("trainer.precision=bf16-mixed but this GPU has no bfloat16; use 16-mixed")
+        return MixedPrecision(device, torch.bfloat16)
+    raise ValueError(f"trainer.precision={name!r} is unknown; choose 32, 16-mixed or bf16-mixed")

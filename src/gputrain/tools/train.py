@@ -1,0 +1,20 @@
+"""Train from a resolved config: build the task, fit, tear down."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gputrain.config import RunConfig
+from gputrain.dist import teardown
+from gputrain.loop import Trainer, seed_everything
+from gputrain.tasks import build_task
+
+
+def train_from_config(cfg: RunConfig) -> dict[str, Any]:
+    """Run one training job in this process (one rank of it, under a launcher)."""
+    seed_everything(cfg.trainer.seed)  # before the model is built: same initial weights on every rank and run
+    spec = build_task(cfg)
+    try:
+        return Trainer(cfg).fit(spec.model, spec.train_data, spec.val_data, task=spec.task)
+    finally:
+        teardown()
