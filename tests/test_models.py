@@ -19,7 +19,12 @@ from gputrain.models.vision import (
 def test_autoencoder_architecture_and_reconstruction_size():
     model = conv_autoencoder()
     assert [type(m).__name__ for m in model.encoder] == [
-        "Conv2d", "ReLU", "MaxPool2d", "Conv2d", "ReLU", "MaxPool2d"
+        "Conv2d",
+        "ReLU",
+        "MaxPool2d",
+        "Conv2d",
+        "ReLU",
+        "MaxPool2d",
     ]
     assert [type(m).__name__ for m in model.decoder] == ["ConvTranspose2d", "ReLU", "ConvTranspose2d", "ReLU"]
     x = torch.rand(2, 3, 80, 60)
@@ -72,7 +77,9 @@ def test_maskrcnn_train_mode_returns_losses():
     masks[0, 20:60, 30:70] = 1
     target = {"boxes": torch.tensor([[30.0, 20.0, 70.0, 60.0]]), "labels": torch.tensor([1]), "masks": masks}
     losses = model([torch.rand(3, 96, 96)], [target])
-    assert {"loss_classifier", "loss_box_reg", "loss_mask", "loss_objectness", "loss_rpn_box_reg"} <= set(losses)
+    assert {"loss_classifier", "loss_box_reg", "loss_mask", "loss_objectness", "loss_rpn_box_reg"} <= set(
+        losses
+    )
     assert all(torch.isfinite(v) for v in losses.values())
 
 
@@ -92,6 +99,7 @@ def test_local_weights_load_and_mismatch_errors(tmp_path):
         conv_autoencoder(weights_path=str(tmp_path / "missing.pt"))
     seg = DeepLabV3Plus(2, backbone="resnet18", aspp_channels=8, decoder_channels=8)
     torch.save(seg.state_dict(), tmp_path / "seg.pt")
-    again = DeepLabV3Plus(2, backbone="resnet18", aspp_channels=8, decoder_channels=8,
-                          weights_path=tmp_path / "seg.pt")
+    again = DeepLabV3Plus(
+        2, backbone="resnet18", aspp_channels=8, decoder_channels=8, weights_path=tmp_path / "seg.pt"
+    )
     assert torch.equal(again.classifier.weight, seg.classifier.weight)

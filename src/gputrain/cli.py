@@ -31,6 +31,7 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, help="per device; the global batch is printed at start")
     p.add_argument("--seed", type=int)
     p.add_argument("--out", help="run folder (config.yaml, metrics.jsonl, checkpoints/, summary.json)")
+    p.add_argument("--resume", help="auto (OUT/checkpoints/last.pt if present) or a checkpoint path")
     p.add_argument("--data-root", help="dataset folder (data.root)")
     p.add_argument("--nnodes", type=int, help="nodes in the job (torchrun rendezvous)")
     p.add_argument("--node-rank", type=int)

@@ -58,7 +58,9 @@ def segmentation_transform(
         lo, hi = max(1, int(crop_size * scale[0])), max(2, int(crop_size * scale[1]) + 1)
         steps = [
             v2.RandomResize(lo, hi, antialias=True),
-            v2.RandomCrop(crop_size, pad_if_needed=True, fill={tv_tensors.Image: 0, tv_tensors.Mask: IGNORE_INDEX}),
+            v2.RandomCrop(
+                crop_size, pad_if_needed=True, fill={tv_tensors.Image: 0, tv_tensors.Mask: IGNORE_INDEX}
+            ),
             v2.RandomHorizontalFlip(),
         ]
     elif crop_size is not None:
@@ -82,16 +84,26 @@ class ADE20K(Dataset[tuple[Tensor, Tensor]]):
     size mismatches and out-of-range labels when a sample is read, or all at once by :meth:`validate`.
     """
 
-    def __init__(self, root: PathLike, *, split: str = "training", num_classes: int = 150,
-                 transform: JointTransform | None = None) -> None:
+    def __init__(
+        self,
+        root: PathLike,
+        *,
+        split: str = "training",
+        num_classes: int = 150,
+        transform: JointTransform | None = None,
+    ) -> None:
         if split not in SPLITS:
             raise ValueError(f"split={split!r}; use one of {SPLITS}")
         if not 1 <= num_classes < IGNORE_INDEX:
-            raise ValueError(f"num_classes={num_classes} must be in 1..{IGNORE_INDEX - 1} (255 is the ignore index)")
+            raise ValueError(
+                f"num_classes={num_classes} must be in 1..{IGNORE_INDEX - 1} (255 is the ignore index)"
+            )
         root = Path(root)
         self.image_dir, self.mask_dir = root / "images" / split, root / "annotations" / split
         if not self.image_dir.is_dir():
-            raise DataError(f"{self.image_dir} does not exist; an ADE20K root holds images/{split}/ and annotations/{split}/")
+            raise DataError(
+                f"{self.image_dir} does not exist; an ADE20K root holds images/{split}/ and annotations/{split}/"
+            )
         images = sorted(p for p in self.image_dir.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
         if not images:
             raise DataError(f"{self.image_dir} has no {'/'.join(IMAGE_SUFFIXES)} images; check data.root")
@@ -103,7 +115,9 @@ class ADE20K(Dataset[tuple[Tensor, Tensor]]):
             )
         self.samples: list[tuple[Path, Path]] = [(p, self.mask_dir / f"{p.stem}.png") for p in images]
         self.num_classes = num_classes
-        self.transform: JointTransform = transform if transform is not None else segmentation_transform(None, train=False)
+        self.transform: JointTransform = (
+            transform if transform is not None else segmentation_transform(None, train=False)
+        )
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -137,8 +151,9 @@ class ADE20K(Dataset[tuple[Tensor, Tensor]]):
             self._check(index, image_size(image_path), read_mask(mask_path))
 
 
-def make_ade20k(out: PathLike, *, num_classes: int = 8, train: int = 32, val: int = 8, size: int = 64,
-                seed: int = 0) -> Path:
+def make_ade20k(
+    out: PathLike, *, num_classes: int = 8, train: int = 32, val: int = 8, size: int = 64, seed: int = 0
+) -> Path:
     """Write a learnable ADE20K-layout set under ``out``: JPEG images and greyscale PNG masks; returns ``out``.
 
     Each image is a noisy background (stored label 0, "other") with 2-4 objects; an object of class
@@ -162,7 +177,10 @@ def make_ade20k(out: PathLike, *, num_classes: int = 8, train: int = 32, val: in
                 paint(canvas, region, class_colour(cls), rng)
                 mask[region] = cls + 1
             stem = f"{prefix}_{i + 1:08d}"
-            write_jpeg(torch.from_numpy(canvas).permute(2, 0, 1).contiguous(), str(out / "images" / split / f"{stem}.jpg"),
-                       quality=95)
+            write_jpeg(
+                torch.from_numpy(canvas).permute(2, 0, 1).contiguous(),
+                str(out / "images" / split / f"{stem}.jpg"),
+                quality=95,
+            )
             write_png(torch.from_numpy(mask)[None], str(out / "annotations" / split / f"{stem}.png"))
     return out

@@ -60,7 +60,9 @@ def read_manifest(path: Path) -> dict[str, str]:
             continue
         parts = line.split(maxsplit=1)
         if len(parts) != 2 or len(parts[0]) != 32:
-            raise DataError(f"{path}:{lineno} is not '<md5>  <file name>'; regenerate the set with make_cifar10")
+            raise DataError(
+                f"{path}:{lineno} is not '<md5>  <file name>'; regenerate the set with make_cifar10"
+            )
         sums[parts[1].strip().lstrip("*")] = parts[0].lower()
     return sums
 
@@ -76,14 +78,18 @@ def verify_files(folder: Path, names: tuple[str, ...], verify: Verify = "auto") 
         verify = "manifest" if manifest.is_file() else "published"
     if verify == "manifest":
         if not manifest.is_file():
-            raise DataError(f"{manifest} does not exist; use verify='published' for the official files "
-                            "or regenerate the sample set with make_cifar10")
+            raise DataError(
+                f"{manifest} does not exist; use verify='published' for the official files "
+                "or regenerate the sample set with make_cifar10"
+            )
         expected, source = read_manifest(manifest), str(manifest)
         fix = "regenerate the set with gputrain.data.cifar10.make_cifar10"
     elif verify == "published":
         expected, source = published_md5s(), "the published CIFAR-10 md5 sums"
-        fix = ("download cifar-10-python.tar.gz again from https://www.cs.toronto.edu/~kriz/cifar.html "
-               "(or torchvision.datasets.CIFAR10(download=True)); for a generated set keep its MANIFEST.md5")
+        fix = (
+            "download cifar-10-python.tar.gz again from https://www.cs.toronto.edu/~kriz/cifar.html "
+            "(or torchvision.datasets.CIFAR10(download=True)); for a generated set keep its MANIFEST.md5"
+        )
     else:
         raise ValueError(f"verify={verify!r}; use 'auto', 'published' or 'manifest'")
     for name in names:  # report every missing file before hashing anything
@@ -94,8 +100,10 @@ def verify_files(folder: Path, names: tuple[str, ...], verify: Verify = "auto") 
             raise DataError(f"{source} has no md5 for {name}; {fix}")
         got = file_md5(folder / name)
         if got != expected[name]:
-            raise DataError(f"{folder / name} has md5 {got} but {source} expects {expected[name]}: the file is "
-                            f"corrupt or not the one named; it was not unpickled; {fix}")
+            raise DataError(
+                f"{folder / name} has md5 {got} but {source} expects {expected[name]}: the file is "
+                f"corrupt or not the one named; it was not unpickled; {fix}"
+            )
     return source
 
 
@@ -103,9 +111,12 @@ class _FormatUnpickler(pickle.Unpickler):
     """Builds only what CIFAR batches contain: containers, bytes/str, and numpy arrays."""
 
     _ALLOWED = {
-        ("numpy", "ndarray"), ("numpy", "dtype"),
-        ("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
-        ("numpy.core.numeric", "_frombuffer"), ("numpy._core.numeric", "_frombuffer"),
+        ("numpy", "ndarray"),
+        ("numpy", "dtype"),
+        ("numpy.core.multiarray", "_reconstruct"),
+        ("numpy._core.multiarray", "_reconstruct"),
+        ("numpy.core.numeric", "_frombuffer"),
+        ("numpy._core.numeric", "_frombuffer"),
         ("_codecs", "encode"),  # protocol-2 pickles written by Python 3 encode bytes this way
     }
 
@@ -119,9 +130,13 @@ def _unpickle(path: Path) -> dict[str, Any]:
     """Unpickle a verified batch file; keys are normalised to ``str`` (real files load with either)."""
     try:
         with open(path, "rb") as f:
-            obj = _FormatUnpickler(f, encoding="latin1").load()  # latin1: the official files are Python 2 pickles
+            obj = _FormatUnpickler(
+                f, encoding="latin1"
+            ).load()  # latin1: the official files are Python 2 pickles
     except (pickle.UnpicklingError, EOFError, ValueError, TypeError) as e:
-        raise DataError(f"{path} passed its checksum but is not a CIFAR batch ({e}); regenerate or re-download it") from e
+        raise DataError(
+            f"{path} passed its checksum but is not a CIFAR batch ({e}); regenerate or re-download it"
+        ) from e
     if not isinstance(obj, dict):
         raise DataError(f"{path} holds a {type(obj).__name__}, not the dict of a CIFAR batch; re-download it")
     return {k.decode() if isinstance(k, bytes) else k: v for k, v in obj.items()}
@@ -145,28 +160,47 @@ class CIFAR10(Dataset[tuple[Any, int]]):
     raw ``uint8`` ``(3, 32, 32)`` tensors. See :func:`verify_files` for ``verify``.
     """
 
-    def __init__(self, root: PathLike, *, train: bool = True, transform: Transform | Literal["default"] | None = "default",
-                 verify: Verify = "auto") -> None:
+    def __init__(
+        self,
+        root: PathLike,
+        *,
+        train: bool = True,
+        transform: Transform | Literal["default"] | None = "default",
+        verify: Verify = "auto",
+    ) -> None:
         self.folder = batches_folder(root)
         names = TRAIN_FILES if train else TEST_FILES
         self.checked_against = verify_files(self.folder, (*names, META_FILE), verify)
         # Every file matched its checksum: from here on unpickling is safe.
         meta = _unpickle(self.folder / META_FILE)
         if "label_names" not in meta:
-            raise DataError(f"{self.folder / META_FILE} has no 'label_names' entry; regenerate or re-download it")
+            raise DataError(
+                f"{self.folder / META_FILE} has no 'label_names' entry; regenerate or re-download it"
+            )
         self.classes: list[str] = [_text(x) for x in meta["label_names"]]
         chunks: list[np.ndarray] = []
         self.targets: list[int] = []
         for name in names:
             entry = _unpickle(self.folder / name)
             data, labels = entry.get("data"), entry.get("labels")
-            if not isinstance(data, np.ndarray) or data.dtype != np.uint8 or data.ndim != 2 or data.shape[1] != 3072:
-                raise DataError(f"{self.folder / name}: 'data' must be a uint8 array of shape (N, 3072); re-export it")
+            if (
+                not isinstance(data, np.ndarray)
+                or data.dtype != np.uint8
+                or data.ndim != 2
+                or data.shape[1] != 3072
+            ):
+                raise DataError(
+                    f"{self.folder / name}: 'data' must be a uint8 array of shape (N, 3072); re-export it"
+                )
             if labels is None or len(labels) != len(data):
-                raise DataError(f"{self.folder / name}: 'labels' must list one label per row of 'data'; re-export it")
+                raise DataError(
+                    f"{self.folder / name}: 'labels' must list one label per row of 'data'; re-export it"
+                )
             bad = [int(y) for y in labels if not 0 <= int(y) < len(self.classes)]
             if bad:
-                raise DataError(f"{self.folder / name}: label {bad[0]} is outside 0..{len(self.classes) - 1}; re-export it")
+                raise DataError(
+                    f"{self.folder / name}: label {bad[0]} is outside 0..{len(self.classes) - 1}; re-export it"
+                )
             chunks.append(data)
             self.targets.extend(int(y) for y in labels)
         # Rows are the R, G, B planes of a 32×32 image one after another, i.e. CHW flattened.
@@ -198,11 +232,17 @@ def _write_batch(path: Path, images: np.ndarray, labels: np.ndarray, batch_label
 
 def _draw_split(rng: np.random.Generator, per_class: int) -> tuple[np.ndarray, np.ndarray]:
     labels = rng.permutation(np.repeat(np.arange(len(LABEL_NAMES)), per_class))
-    hwc = np.stack([draw_class_image(rng, int(y), 32) for y in labels]) if len(labels) else np.zeros((0, 32, 32, 3), np.uint8)
+    hwc = (
+        np.stack([draw_class_image(rng, int(y), 32) for y in labels])
+        if len(labels)
+        else np.zeros((0, 32, 32, 3), np.uint8)
+    )
     return np.ascontiguousarray(hwc.transpose(0, 3, 1, 2).reshape(len(labels), 3072)), labels
 
 
-def make_cifar10(out: PathLike, *, train_per_class: int = 100, test_per_class: int = 20, seed: int = 0) -> Path:
+def make_cifar10(
+    out: PathLike, *, train_per_class: int = 100, test_per_class: int = 20, seed: int = 0
+) -> Path:
     """Write a learnable CIFAR-10-format set (5 train batches, ``test_batch``, ``batches.meta``, ``MANIFEST.md5``).
 
     Class ``i`` is one coloured shape (see :func:`gputrain.data.images.draw_class_image`) on a noisy
@@ -215,13 +255,20 @@ def make_cifar10(out: PathLike, *, train_per_class: int = 100, test_per_class: i
     rng = np.random.default_rng(seed)
     data, labels = _draw_split(rng, train_per_class)
     start = 0
-    for i, (name, part) in enumerate(zip(TRAIN_FILES, np.array_split(np.arange(len(labels)), len(TRAIN_FILES)))):
-        _write_batch(out / name, data[part], labels[part], f"training batch {i + 1} of {len(TRAIN_FILES)}", start)
+    for i, (name, part) in enumerate(
+        zip(TRAIN_FILES, np.array_split(np.arange(len(labels)), len(TRAIN_FILES)))
+    ):
+        _write_batch(
+            out / name, data[part], labels[part], f"training batch {i + 1} of {len(TRAIN_FILES)}", start
+        )
         start += len(part)
     test_data, test_labels = _draw_split(rng, test_per_class)
     _write_batch(out / TEST_FILES[0], test_data, test_labels, "testing batch 1 of 1", start)
-    meta = {b"num_cases_per_batch": len(labels) // len(TRAIN_FILES), b"label_names": [n.encode() for n in LABEL_NAMES],
-            b"num_vis": 3072}
+    meta = {
+        b"num_cases_per_batch": len(labels) // len(TRAIN_FILES),
+        b"label_names": [n.encode() for n in LABEL_NAMES],
+        b"num_vis": 3072,
+    }
     with open(out / META_FILE, "wb") as f:
         pickle.dump(meta, f, protocol=4)
     names = (*TRAIN_FILES, *TEST_FILES, META_FILE)

@@ -57,7 +57,9 @@ class ClassFolder(ImageFolder):
     ``classes`` and ``class_to_idx`` come from ImageFolder: sorted folder names.
     """
 
-    def __init__(self, root: PathLike, *, transform: Transform | Literal["default"] | None = "default") -> None:
+    def __init__(
+        self, root: PathLike, *, transform: Transform | Literal["default"] | None = "default"
+    ) -> None:
         skipped: list[str] = []
 
         def is_valid_file(path: str) -> bool:
@@ -69,7 +71,9 @@ class ClassFolder(ImageFolder):
         if transform == "default":
             transform = normalize_transform(IMAGENET_MEAN, IMAGENET_STD)
         try:
-            super().__init__(str(root), transform=transform, loader=read_image_rgb, is_valid_file=is_valid_file)
+            super().__init__(
+                str(root), transform=transform, loader=read_image_rgb, is_valid_file=is_valid_file
+            )
         except FileNotFoundError as e:
             raise DataError(
                 f"image folder {root}: {str(e).strip()} The layout must be root/<class>/<image> with images ending in "
@@ -100,16 +104,22 @@ def split_classfolder(
 
 def class_names(classes: int) -> list[str]:
     """Folder names of a generated set: the shape each class draws, numbered past the ten shapes."""
-    return [SHAPES[i] if classes <= len(SHAPES) else f"{i:03d}_{SHAPES[i % len(SHAPES)]}" for i in range(classes)]
+    return [
+        SHAPES[i] if classes <= len(SHAPES) else f"{i:03d}_{SHAPES[i % len(SHAPES)]}" for i in range(classes)
+    ]
 
 
-def make_classfolder(out: PathLike, *, classes: int = 4, per_class: int = 32, size: int = 64, seed: int = 0) -> Path:
+def make_classfolder(
+    out: PathLike, *, classes: int = 4, per_class: int = 32, size: int = 64, seed: int = 0
+) -> Path:
     """Write ``out/<class>/<n>.jpg`` (every fourth one a ``.png``) of learnable classes; returns ``out``.
 
     Class ``i`` is one shape in one colour on a noisy background, at a random place and size.
     """
     if classes < 2 or per_class < 1 or size < 8:
-        raise ValueError(f"need classes >= 2, per_class >= 1 and size >= 8 (got {classes}, {per_class}, {size})")
+        raise ValueError(
+            f"need classes >= 2, per_class >= 1 and size >= 8 (got {classes}, {per_class}, {size})"
+        )
     out = Path(out)
     rng = np.random.default_rng(seed)
     for cls, name in enumerate(class_names(classes)):

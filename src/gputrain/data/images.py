@@ -49,7 +49,9 @@ def read_image_rgb(path: PathLike) -> Tensor:
     try:
         data = read_file(str(p))
     except RuntimeError as e:
-        raise DataError(f"cannot read image {p}: {_short(e)}; check that the file exists and is readable") from e
+        raise DataError(
+            f"cannot read image {p}: {_short(e)}; check that the file exists and is readable"
+        ) from e
     if data.numel() == 0:
         raise DataError(f"image {p} is empty (0 bytes); remove the file or re-export it")
     try:
@@ -82,7 +84,9 @@ def read_mask(path: PathLike) -> Tensor:
     except FileNotFoundError as e:
         raise DataError(f"mask {p} does not exist; check the annotation folder") from e
     except (OSError, SyntaxError, ValueError) as e:
-        raise DataError(f"mask {p} is unreadable, truncated or corrupt ({e}); remove the file or re-export it") from e
+        raise DataError(
+            f"mask {p} is unreadable, truncated or corrupt ({e}); remove the file or re-export it"
+        ) from e
     return torch.from_numpy(arr.astype(np.int64))
 
 
@@ -113,7 +117,9 @@ def seeded_split(n: int, val_fraction: float, seed: int) -> tuple[list[int], lis
     if val_fraction > 0:
         n_val = max(n_val, 1)
     if n_val >= n and n > 0:
-        raise ValueError(f"val_fraction={val_fraction} of {n} items leaves nothing to train on; lower it or add data")
+        raise ValueError(
+            f"val_fraction={val_fraction} of {n} items leaves nothing to train on; lower it or add data"
+        )
     g = torch.Generator()
     g.manual_seed(seed)
     perm = torch.randperm(n, generator=g).tolist()
@@ -168,7 +174,9 @@ def noisy_background(rng: np.random.Generator, height: int, width: int) -> np.nd
     return np.clip(tint + noise, 0, 255).astype(np.uint8)
 
 
-def paint(canvas: np.ndarray, mask: np.ndarray, colour: tuple[int, int, int], rng: np.random.Generator) -> None:
+def paint(
+    canvas: np.ndarray, mask: np.ndarray, colour: tuple[int, int, int], rng: np.random.Generator
+) -> None:
     """Fill ``mask`` of ``canvas`` (``H, W, 3``, in place) with ``colour`` plus mild noise."""
     noise = rng.normal(0, 12, size=(int(mask.sum()), 3))
     canvas[mask] = np.clip(np.asarray(colour, dtype=np.float64) + noise, 0, 255).astype(np.uint8)

@@ -42,11 +42,14 @@ class ClassificationEvaluator(Evaluator):
             )
         targets = targets.to(logits.device)
         if targets.shape != logits.shape[:1]:
-            raise ValueError(f"targets shape {tuple(targets.shape)} does not match outputs' batch {logits.shape[0]}")
+            raise ValueError(
+                f"targets shape {tuple(targets.shape)} does not match outputs' batch {logits.shape[0]}"
+            )
         top = logits.topk(max(self.topk), dim=1).indices  # (N, k)
         hits = top.eq(targets.unsqueeze(1))
         batch = torch.stack(
-            [hits[:, :k].any(dim=1).sum() for k in self.topk] + [torch.tensor(len(targets), device=logits.device)]
+            [hits[:, :k].any(dim=1).sum() for k in self.topk]
+            + [torch.tensor(len(targets), device=logits.device)]
         ).to(torch.int64)
         self.counts = batch if self.counts is None else self.counts + batch
         self.loss.update(outputs, targets, loss, batch_size)

@@ -54,8 +54,11 @@ def _quiet(verbose: bool) -> Iterator[None]:
 
 
 def detections_to_coco(
-    output: Mapping[str, torch.Tensor], image_id: int, label_to_category: Mapping[int, int] | None,
-    with_masks: bool, mask_threshold: float = 0.5,
+    output: Mapping[str, torch.Tensor],
+    image_id: int,
+    label_to_category: Mapping[int, int] | None,
+    with_masks: bool,
+    mask_threshold: float = 0.5,
 ) -> list[dict[str, Any]]:
     """One image's torchvision detection output as COCO result entries.
 
@@ -91,15 +94,25 @@ def detections_to_coco(
                 f"label {label} is not in label_to_category (keys {sorted(label_to_category)}); "
                 "map every model label to a COCO category id"
             )
-        entry: dict[str, Any] = {"image_id": image_id, "category_id": category, "bbox": box, "score": float(score)}
+        entry: dict[str, Any] = {
+            "image_id": image_id,
+            "category_id": category,
+            "bbox": box,
+            "score": float(score),
+        }
         if rles is not None:
             entry["segmentation"] = rles[i]
         results.append(entry)
     return results
 
 
-def coco_stats(coco_gt: COCO, results: list[dict[str, Any]], iou_type: str, image_ids: Sequence[int],
-               verbose: bool = False) -> list[float]:
+def coco_stats(
+    coco_gt: COCO,
+    results: list[dict[str, Any]],
+    iou_type: str,
+    image_ids: Sequence[int],
+    verbose: bool = False,
+) -> list[float]:
     """pycocotools' 12 summary numbers for ``results`` on ``image_ids`` (0.0 each with no results).
 
     ``loadRes`` fails on an empty list, and no detection means no precision: mAP 0.
@@ -129,14 +142,20 @@ class CocoEvaluator(Evaluator):
     """
 
     def __init__(
-        self, coco_gt: COCO | str | Path, iou_types: Sequence[str] = IOU_TYPES,
-        label_to_category: Mapping[int, int] | None = None, *, verbose: bool = False,
+        self,
+        coco_gt: COCO | str | Path,
+        iou_types: Sequence[str] = IOU_TYPES,
+        label_to_category: Mapping[int, int] | None = None,
+        *,
+        verbose: bool = False,
     ) -> None:
         bad = [t for t in iou_types if t not in IOU_TYPES]
         if bad or not iou_types:
             raise ValueError(f"CocoEvaluator(iou_types={tuple(iou_types)}): choose from {IOU_TYPES}")
         if isinstance(coco_gt, (str, Path)) and not Path(coco_gt).is_file():
-            raise FileNotFoundError(f"COCO ground truth {coco_gt} does not exist; pass the annotation json path")
+            raise FileNotFoundError(
+                f"COCO ground truth {coco_gt} does not exist; pass the annotation json path"
+            )
         self._coco_gt = coco_gt
         self.iou_types = tuple(iou_types)
         self.label_to_category = dict(label_to_category) if label_to_category is not None else None

@@ -77,7 +77,9 @@ class SegmentationEvaluator(Evaluator):
         p = preds[keep].to(torch.int64)
         n = self.num_classes
         if t.numel() and int(t.min()) < 0:
-            raise ValueError(f"target label {int(t.min())} is negative; use ignore_index={self.ignore_index} for void")
+            raise ValueError(
+                f"target label {int(t.min())} is negative; use ignore_index={self.ignore_index} for void"
+            )
         counts = torch.bincount(t * n + p, minlength=n * n)
         if counts.numel() != n * n:
             raise ValueError(
@@ -102,7 +104,11 @@ class SegmentationEvaluator(Evaluator):
         total = int(cm.sum())
         metrics = self.loss.compute(strategy, out_dir)
         metrics.update(
-            {"mIoU": miou, "pixel_acc": float(cm.diagonal().sum()) / total if total else float("nan"),
-             "pixels": float(total), "samples": float(images)}
+            {
+                "mIoU": miou,
+                "pixel_acc": float(cm.diagonal().sum()) / total if total else float("nan"),
+                "pixels": float(total),
+                "samples": float(images),
+            }
         )
         return metrics

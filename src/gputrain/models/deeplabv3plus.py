@@ -32,7 +32,9 @@ DEFAULT_RATES = {8: (12, 24, 36), 16: (6, 12, 18), 32: (3, 6, 9)}
 
 def _conv_bn_relu(cin: int, cout: int, kernel: int) -> nn.Sequential:
     return nn.Sequential(
-        nn.Conv2d(cin, cout, kernel, padding=kernel // 2, bias=False), nn.BatchNorm2d(cout), nn.ReLU(inplace=True)
+        nn.Conv2d(cin, cout, kernel, padding=kernel // 2, bias=False),
+        nn.BatchNorm2d(cout),
+        nn.ReLU(inplace=True),
     )
 
 
@@ -71,9 +73,16 @@ class DeepLabV3Plus(nn.Module):
     """
 
     def __init__(
-        self, num_classes: int, backbone: str = "resnet50", output_stride: int | None = None, *,
-        atrous_rates: Sequence[int] | None = None, aspp_channels: int = 256, decoder_channels: int = 256,
-        low_level_channels: int = 48, weights_path: str | Path | None = None,
+        self,
+        num_classes: int,
+        backbone: str = "resnet50",
+        output_stride: int | None = None,
+        *,
+        atrous_rates: Sequence[int] | None = None,
+        aspp_channels: int = 256,
+        decoder_channels: int = 256,
+        low_level_channels: int = 48,
+        weights_path: str | Path | None = None,
     ) -> None:
         super().__init__()
         if num_classes < 1:

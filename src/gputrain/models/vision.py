@@ -60,12 +60,18 @@ class ConvAutoencoder(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.encoder = nn.Sequential(
-            nn.Conv2d(3, 8, 5, padding=2), nn.ReLU(), nn.MaxPool2d(4, 4),
-            nn.Conv2d(8, 16, 5, padding=2), nn.ReLU(), nn.MaxPool2d(5, 5),
+            nn.Conv2d(3, 8, 5, padding=2),
+            nn.ReLU(),
+            nn.MaxPool2d(4, 4),
+            nn.Conv2d(8, 16, 5, padding=2),
+            nn.ReLU(),
+            nn.MaxPool2d(5, 5),
         )
         self.decoder = nn.Sequential(
-            nn.ConvTranspose2d(16, 8, 5, stride=5), nn.ReLU(),
-            nn.ConvTranspose2d(8, 3, 5, stride=4, padding=1, output_padding=1), nn.ReLU(),
+            nn.ConvTranspose2d(16, 8, 5, stride=5),
+            nn.ReLU(),
+            nn.ConvTranspose2d(8, 3, 5, stride=4, padding=1, output_padding=1),
+            nn.ReLU(),
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -117,8 +123,13 @@ _BACKBONE_LAYERS = ["layer4", "layer3", "layer2", "layer1", "conv1"]
 
 
 def maskrcnn(
-    num_classes: int, weights_path: str | Path | None = None, *, min_size: int = 800, max_size: int = 1333,
-    trainable_backbone_layers: int | None = None, **kwargs: Any,
+    num_classes: int,
+    weights_path: str | Path | None = None,
+    *,
+    min_size: int = 800,
+    max_size: int = 1333,
+    trainable_backbone_layers: int | None = None,
+    **kwargs: Any,
 ) -> nn.Module:
     """Mask R-CNN with a ResNet-50-FPN backbone, randomly initialized (or from ``weights_path``).
 
@@ -130,7 +141,11 @@ def maskrcnn(
     train mode. Other keyword arguments go to torchvision's ``MaskRCNN``.
     """
     model = torchvision.models.detection.maskrcnn_resnet50_fpn(
-        weights=None, weights_backbone=None, num_classes=num_classes, min_size=min_size, max_size=max_size,
+        weights=None,
+        weights_backbone=None,
+        num_classes=num_classes,
+        min_size=min_size,
+        max_size=max_size,
         **kwargs,
     )
     load_weights(model, weights_path)

@@ -31,8 +31,14 @@ class _SyncBatchNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
-        running_mean: torch.Tensor | None, running_var: torch.Tensor | None, eps: float, momentum: float,
+        ctx: Any,
+        x: torch.Tensor,
+        weight: torch.Tensor | None,
+        bias: torch.Tensor | None,
+        running_mean: torch.Tensor | None,
+        running_var: torch.Tensor | None,
+        eps: float,
+        momentum: float,
         group: dist.ProcessGroup | None,
     ) -> torch.Tensor:
         channels = x.shape[1]
@@ -55,7 +61,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
                 "use a larger batch or put the model in eval mode"
             )
         g_mean = stats[:channels] / total
-        g_var = (stats[channels:2 * channels] / total - g_mean * g_mean).clamp(min=0)
+        g_var = (stats[channels : 2 * channels] / total - g_mean * g_mean).clamp(min=0)
         invstd = torch.rsqrt(g_var + eps)
         if running_mean is not None and running_var is not None:
             with torch.no_grad():
@@ -99,9 +105,14 @@ class _SyncBatchNormFunction(torch.autograd.Function):
 
 
 def sync_batch_norm(
-    x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
-    running_mean: torch.Tensor | None, running_var: torch.Tensor | None,
-    eps: float = 1e-5, momentum: float = 0.1, group: dist.ProcessGroup | None = None,
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    running_mean: torch.Tensor | None,
+    running_var: torch.Tensor | None,
+    eps: float = 1e-5,
+    momentum: float = 0.1,
+    group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
     """Training-mode batch norm over the global batch of ``group`` (default: the world).
 
@@ -120,9 +131,15 @@ class CpuSyncBatchNorm(_BatchNorm):
     """
 
     def __init__(
-        self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1, affine: bool = True,
-        track_running_stats: bool = True, process_group: dist.ProcessGroup | None = None,
-        device: Any = None, dtype: Any = None,
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum: float | None = 0.1,
+        affine: bool = True,
+        track_running_stats: bool = True,
+        process_group: dist.ProcessGroup | None = None,
+        device: Any = None,
+        dtype: Any = None,
     ) -> None:
         super().__init__(num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype)
         self.process_group = process_group
@@ -151,8 +168,14 @@ class CpuSyncBatchNorm(_BatchNorm):
             factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
         track = self.track_running_stats
         return sync_batch_norm(
-            input, self.weight, self.bias, self.running_mean if track else None,
-            self.running_var if track else None, self.eps, factor, self.process_group,
+            input,
+            self.weight,
+            self.bias,
+            self.running_mean if track else None,
+            self.running_var if track else None,
+            self.eps,
+            factor,
+            self.process_group,
         )
 
 
@@ -160,7 +183,11 @@ def _to_cpu_sync(module: nn.Module, process_group: dist.ProcessGroup | None) -> 
     out = module
     if isinstance(module, _BatchNorm) and not isinstance(module, CpuSyncBatchNorm):
         out = CpuSyncBatchNorm(
-            module.num_features, module.eps, module.momentum, module.affine, module.track_running_stats,
+            module.num_features,
+            module.eps,
+            module.momentum,
+            module.affine,
+            module.track_running_stats,
             process_group,
         )
         if module.affine:

@@ -40,7 +40,7 @@ def export_onnx(checkpoint: str | Path, out: str | Path, *, input_shape: list[in
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     batch = torch.export.Dim("batch", min=1, max=1024)
-    torch.onnx.export(model, (example,), str(out), dynamo=True, opset_version=opset,
+    torch.onnx.export(model, (example,), str(out), dynamo=True, opset_version=opset, verbose=False,
                       input_names=["input"], output_names=["output"], dynamic_shapes=({0: batch},))
     with torch.no_grad():
         expected = model(example).numpy()

@@ -1,0 +1,184 @@
+"""Pure logic, no processes: samplers, schedules, config, checkpoints, precision, DataParallel checks."""
+
+from __future__ import annotations
+
+import os
+import pickle
+
+import pytest
+import torch
+
+from gputrain.checkpoint import atomic_save, load_checkpoint
+from gputrain.config import SchedulerConfig, load_config
+from gputrain.data.samplers import epoch_permutation, eval_shard, train_shard
+from gputrain.dist import DistInfo
+from gputrain.optim import lr_factor
+from gputrain.precision import build_precision
+from gputrain.strategies import build_strategy
+from gputrain.strategies.dp import (
+    check_batch_covers_devices,
+    check_module_on_first_device,
+    check_targets_on_output_device,
+)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("n", [359, 360, 7])
+def test_eval_shards_cover_every_sample_once(n, world):
+    shards = [eval_shard(n, r, world) for r in range(world)]
+    flat = sorted(i for s in shards for i in s)
+    assert flat == list(range(n))
+    assert max(map(len, shards)) - min(map(len, shards)) <= 1
+
+
+def test_train_shards_of_w_ranks_equal_one_process_global_batches():
+    order = epoch_permutation(64, seed=3, epoch=1)
+    b, w = 4, 2
+    shards = [train_shard(order, r, w, drop_last=False) for r in range(w)]
+    for step in range(64 // (b * w)):
+        together = sorted(i for s in shards for i in s[step * b:(step + 1) * b])
+        assert together == sorted(order[step * b * w:(step + 1) * b * w])
+
+
+def test_train_order_depends_on_seed_and_epoch_only():
+    assert epoch_permutation(50, 1, 2) == epoch_permutation(50, 1, 2)
+    assert epoch_permutation(50, 1, 2) != epoch_permutation(50, 1, 3)
+    assert epoch_permutation(50, 1, 2) != epoch_permutation(50, 2, 2)
+
+
+def test_train_shard_pads_or_drops_uneven_tail():
+    order = list(range(7))
+    padded = [train_shard(order, r, 2, drop_last=False) for r in range(2)]
+    assert padded == [[0, 2, 4, 6], [1, 3, 5, 0]]
+    dropped = [train_shard(order, r, 2, drop_last=True) for r in range(2)]
+    assert dropped == [[0, 2, 4], [1, 3, 5]]
+
+
+def test_lr_schedules():
+    cosine = SchedulerConfig(name="cosine", warmup_steps=10)
+    assert lr_factor(0, 110, 10, cosine) == pytest.approx(0.1)
+    assert lr_factor(9, 110, 10, cosine) == pytest.approx(1.0)
+    assert lr_factor(60, 110, 10, cosine) == pytest.approx(0.5)
+    assert lr_factor(110, 110, 10, cosine) == pytest.approx(0.0)
+    poly = SchedulerConfig(name="poly", power=1.0)
+    assert lr_factor(50, 100, 10, poly) == pytest.approx(0.5)
+    step = SchedulerConfig(name="step", step_epochs=2, gamma=0.1)
+    assert lr_factor(19, 100, 10, step) == pytest.approx(1.0)
+    assert lr_factor(20, 100, 10, step) == pytest.approx(0.1)
+    with pytest.raises(ValueError, match="scheduler.name='linearx'"):
+        lr_factor(0, 10, 1, SchedulerConfig(name="linearx"))
+
+
+def test_config_overrides_and_type_errors():
+    cfg = load_config("autoencoder", ["trainer.epochs=3", "optim.lr=0.1", "trainer.loggers=[csv,wandb]"])
+    assert (cfg.trainer.epochs, cfg.optim.lr, cfg.trainer.loggers) == (3, 0.1, ["csv", "wandb"])
+    assert cfg.model.name == "conv_autoencoder"
+    with pytest.raises(ValueError, match="trainer.epochs"):
+        load_config("autoencoder", ["trainer.epochs=three"])
+    with pytest.raises(ValueError, match="trainer.epohcs"):
+        load_config("autoencoder", ["trainer.epohcs=3"])
+    with pytest.raises(ValueError, match="unknown recipe 'nope'"):
+        load_config("nope")
+
+
+def test_atomic_save_keeps_old_checkpoint_when_write_fails(tmp_path):
+    path = tmp_path / "last.pt"
+    atomic_save({"model": {"w": torch.ones(2)}}, path)
+
+    class Unpicklable:
+        def __reduce__(self):
+            raise RuntimeError("disk full")
+
+    with pytest.raises(RuntimeError, match="disk full"):
+        atomic_save({"model": {"w": torch.zeros(2)}, "bad": Unpicklable()}, path)
+    assert torch.equal(load_checkpoint(path)["model"]["w"], torch.ones(2))
+    assert [p.name for p in tmp_path.iterdir()] == ["last.pt"]  # no temporary file left behind
+
+
+def test_load_refuses_malicious_pickle_and_runs_nothing(tmp_path):
+    marker = tmp_path / "pwned"
+
+    class Exploit:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    path = tmp_path / "evil.pt"
+    path.write_bytes(pickle.dumps({"model": Exploit()}))
+    with pytest.raises(ValueError, match="evil.pt cannot be loaded safely"):
+        load_checkpoint(path)
+    assert not marker.exists()
+
+
+def test_truncated_checkpoint_error_names_file(tmp_path):
+    path = tmp_path / "last.pt"
+    atomic_save({"model": {"w": torch.ones(100)}}, path)
+    path.write_bytes(path.read_bytes()[:50])
+    with pytest.raises(ValueError, match="last.pt cannot be loaded safely"):
+        load_checkpoint(path)
+
+
+@pytest.mark.parametrize("name", ["16-mixed", "bf16-mixed"])
+def test_mixed_precision_trains_and_keeps_scaler_state(name):
+    precision = build_precision(name, torch.device("cpu"))
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = model.weight.detach().clone()
+    with precision.forward_context():
+        out = model(torch.randn(8, 4))
+        assert out.dtype == (torch.float16 if name == "16-mixed" else torch.bfloat16)
+        loss = out.float().pow(2).mean()
+    precision.backward(loss)
+    assert precision.optimizer_step(opt)
+    assert not torch.equal(before, model.weight)
+    state = precision.state_dict()
+    if name == "16-mixed":
+        assert state["scaler"]["scale"] == 65536.0
+        other = build_precision(name, torch.device("cpu"))
+        other.load_state_dict({"scaler": {**state["scaler"], "scale": 128.0}})
+        assert other.scaler.get_scale() == 128.0
+    else:
+        assert state == {}
+
+
+def test_unknown_precision_and_strategy_say_what_is_valid():
+    with pytest.raises(ValueError, match="choose 32, 16-mixed or bf16-mixed"):
+        build_precision("8-bit", torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"choose one of \['ddp', 'dp', 'single'\]"):
+        build_strategy("fsdp3", DistInfo())
+    with pytest.raises(ValueError, match="use --strategy ddp"):
+        build_strategy("single", DistInfo(world_size=2))
+
+
+# -- DataParallel traps: pure checks over device lists, so they run without GPUs ------------
+CUDA = [torch.device("cuda", i) for i in range(3)]
+
+
+def test_dp_model_must_sit_on_first_device():
+    check_module_on_first_device([CUDA[0], CUDA[0]], CUDA)
+    with pytest.raises(ValueError, match=r"device_ids\[0\]=cuda:0.*is on cuda:1.*model.to\('cuda:0'\)"):
+        check_module_on_first_device([CUDA[0], CUDA[1]], CUDA)
+    with pytest.raises(ValueError, match="is on cpu"):
+        check_module_on_first_device([torch.device("cpu")], CUDA)
+
+
+def test_dp_refuses_batch_smaller_than_device_count():
+    check_batch_covers_devices(3, CUDA)
+    with pytest.raises(ValueError, match="batch size 2 is smaller than the 3 devices in device_ids; use a batch size of at least 3"):
+        check_batch_covers_devices(2, CUDA)
+
+
+def test_dp_targets_must_meet_outputs_on_output_device():
+    out = torch.empty(2, device="meta")
+    check_targets_on_output_device(out, torch.empty(2, device="meta"), torch.device("meta"))
+    with pytest.raises(ValueError, match=r"targets are on cpu but DataParallel gathers outputs on output_device=meta"):
+        check_targets_on_output_device(out, torch.empty(2), torch.device("meta"))
+
+
+def test_dp_strategy_on_cpu_warns_and_unwraps_without_prefix():
+    with pytest.warns(UserWarning, match="device_ids and output_device are ignored"):
+        strategy = build_strategy("dp", DistInfo(), device_ids=[0, 1], output_device=1)
+    module = strategy.setup_module(torch.nn.Linear(2, 2))
+    assert isinstance(module, torch.nn.DataParallel)
+    assert set(strategy.model_state_dict(module)) == {"weight", "bias"}
+    with pytest.raises(ValueError, match="cannot run under a 2-process launch"):
+        build_strategy("dp", DistInfo(world_size=2))
