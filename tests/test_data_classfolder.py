@@ -45,7 +45,7 @@ def test_loads_generated_folder(generated: Path) -> None:
 def test_classes_differ_in_colour(generated: Path) -> None:
     # Learnable at a glance: the mean colour of the brightest pixels separates the classes.
     ds = ClassFolder(generated, transform=None)
-    means = {}
+    means: dict[int, list[torch.Tensor]] = {}
     for image, label in ds:
         bright = image.float().flatten(1)[:, image.amax(0).flatten() > 180]  # object pixels, not background
         means.setdefault(label, []).append(bright.mean(1))

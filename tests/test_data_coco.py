@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +52,7 @@ def _ann(ann_id: int, image_id: int, cat: int, bbox: list[float], seg: Any, crow
     }
 
 
-def fixture_set(root: Path, extra: list[dict[str, Any]] = ()) -> tuple[Path, Path]:  # type: ignore[assignment]
+def fixture_set(root: Path, extra: Sequence[dict[str, Any]] = ()) -> tuple[Path, Path]:
     """Six images with exactly known problems; returns (image_dir, json)."""
     images = {1: "a.jpg", 2: "b.jpg", 3: "c.jpg", 5: "d.jpg", 8: "e.jpg", 9: "f.jpg"}
     (root / "img").mkdir(parents=True, exist_ok=True)

@@ -52,7 +52,14 @@ def _launch_or_run(args: argparse.Namespace, argv: Sequence[str], run) -> int:  
                       rdzv_endpoint=cfg.launch.rdzv_endpoint, rdzv_id=cfg.launch.rdzv_id,
                       max_restarts=cfg.launch.max_restarts)
     if spec.needs_launch:
-        run_torchrun(spec, "gputrain", argv)  # the workers run this same command line and join
+        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+        try:
+            run_torchrun(spec, "gputrain", argv)  # the workers run this same command line and join
+        except ChildFailedError as err:
+            failed = ", ".join(f"rank {r} (exit {f.exitcode})" for r, f in sorted(err.failures.items()))
+            print(f"gputrain: {failed} failed; the workers' own errors are printed above", file=sys.stderr)
+            return 1
         return 0
     run(cfg, args)
     return 0

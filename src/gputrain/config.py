@@ -19,6 +19,8 @@ from omegaconf.errors import OmegaConfBaseException
 class DataConfig:
     """Where the data is and how it is split and read."""
 
+    format: str = ""
+    """On-disk format where a task reads several: cifar10 or classfolder (classification)."""
     root: str = "data/frames"
     """Folder (or file) the task's dataset reads; relative paths are taken from the working directory."""
     val_root: str = ""

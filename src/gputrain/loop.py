@@ -74,7 +74,8 @@ class Trainer:
         self.resumed = False
 
     # -- setup ---------------------------------------------------------------------------
-    def _setup(self, model: nn.Module, task: Task, train_data: Dataset, val_data: Dataset | None) -> None:
+    def _setup_runtime(self, task: Task) -> None:
+        """Process group, strategy, precision and output folder: what training and evaluation share."""
         t = self.cfg.trainer
         self.dist = init_distributed(t.accelerator)
         if t.devices > 1 and self.dist.world_size == 1 and t.strategy != "dp":
@@ -94,27 +95,29 @@ class Trainer:
         self.out = Path(t.out)
         self.config_dict = to_dict(self.cfg)
 
+    def _loader(self, data: Dataset, *, train: bool) -> DataLoader:
+        t, workers = self.cfg.trainer, self.cfg.data.num_workers
+        sampler = (self.strategy.train_sampler(len(data), seed=t.seed, drop_last=t.drop_last) if train
+                   else self.strategy.eval_sampler(len(data)))
+        return DataLoader(
+            data, batch_size=t.batch_size if train else (t.eval_batch_size or t.batch_size), sampler=sampler,
+            collate_fn=self.task.collate_fn(), num_workers=workers, pin_memory=self.dist.device.type == "cuda",
+            persistent_workers=workers > 0,
+        )
+
+    def _setup(self, model: nn.Module, task: Task, train_data: Dataset, val_data: Dataset | None) -> None:
+        t = self.cfg.trainer
+        self._setup_runtime(task)
         seed_everything(t.seed)
         if t.sync_batchnorm and self.dist.world_size > 1:
-            
+            from gputrain.nn.sync_batchnorm import convert_sync_batchnorm
+
             model = convert_sync_batchnorm(model, self.dist.device.type)
         self.strategy.check_batch(t.batch_size)
         self.module = self.strategy.setup_module(model)
         self.optimizer = build_optimizer(self.strategy.unwrap(self.module), self.cfg.optim)
-
-        collate = task.collate_fn()
-        pin = self.dist.device.type == "cuda"
-        workers = self.cfg.data.num_workers
-        self.train_loader = DataLoader(
-            train_data, batch_size=t.batch_size, sampler=self.strategy.train_sampler(
-                len(train_data), seed=t.seed, drop_last=t.drop_last),
-            collate_fn=collate, num_workers=workers, pin_memory=pin, persistent_workers=workers > 0,
-        )
-        self.val_loader = None if val_data is None else DataLoader(
-            val_data, batch_size=t.eval_batch_size or t.batch_size,
-            sampler=self.strategy.eval_sampler(len(val_data)), collate_fn=collate, num_workers=workers,
-            pin_memory=pin, persistent_workers=workers > 0,
-        )
+        self.train_loader = self._loader(train_data, train=True)
+        self.val_loader = None if val_data is None else self._loader(val_data, train=False)
         micro = len(self.train_loader)
         self.steps_per_epoch = math.ceil(micro / t.accumulate_grad_batches)
         if t.max_steps_per_epoch:
@@ -288,6 +291,22 @@ class Trainer:
             evaluator.update(outputs, targets, loss, self.task.batch_size(inputs))
         self.module.train()
         return evaluator.compute(self.strategy, out_dir or self.out)
+
+    def validate(self, model: nn.Module, val_data: Dataset, *, task: Task) -> dict[str, float]:
+        """Evaluate ``model`` alone (no training) on any device count; writes ``out/eval.json`` on rank 0."""
+        self._setup_runtime(task)
+        self.module = self.strategy.setup_module(model)
+        self.val_loader = self._loader(val_data, train=False)
+        if self.dist.is_main:
+            self.out.mkdir(parents=True, exist_ok=True)
+        start = time.perf_counter()
+        metrics = {f"val/{k}": v for k, v in self.evaluate().items()}
+        metrics["time/val_s"] = time.perf_counter() - start
+        metrics["world_size"] = self.dist.world_size
+        if self.dist.is_main:
+            (self.out / "eval.json").write_text(json.dumps(metrics, indent=2))
+            print(json.dumps(metrics, indent=2), flush=True)
+        return metrics
 
     def _call(self, event: str, *args: Any) -> None:
         for hook in self.hooks:

@@ -129,10 +129,8 @@ class _FormatUnpickler(pickle.Unpickler):
 def _unpickle(path: Path) -> dict[str, Any]:
     """Unpickle a verified batch file; keys are normalised to ``str`` (real files load with either)."""
     try:
-        with open(path, "rb") as f:
-            obj = _FormatUnpickler(
-                f, encoding="latin1"
-            ).load()  # latin1: the official files are Python 2 pickles
+        with open(path, "rb") as f:  # latin1, as torchvision: the official files are Python 2 pickles
+            obj = _FormatUnpickler(f, encoding="latin1").load()
     except (pickle.UnpicklingError, EOFError, ValueError, TypeError) as e:
         raise DataError(
             f"{path} passed its checksum but is not a CIFAR batch ({e}); regenerate or re-download it"
@@ -254,14 +252,13 @@ def make_cifar10(
     out.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
     data, labels = _draw_split(rng, train_per_class)
-    start = 0
-    for i, (name, part) in enumerate(
-        zip(TRAIN_FILES, np.array_split(np.arange(len(labels)), len(TRAIN_FILES)))
-    ):
+    parts = np.array_split(np.arange(len(labels)), len(TRAIN_FILES))  # CIFAR's own split: 5 equal batches
+    for i, (name, part) in enumerate(zip(TRAIN_FILES, parts, strict=True)):
+        batch_label = f"training batch {i + 1} of {len(TRAIN_FILES)}"
         _write_batch(
-            out / name, data[part], labels[part], f"training batch {i + 1} of {len(TRAIN_FILES)}", start
+            out / name, data[part], labels[part], batch_label, start=int(part[0]) if len(part) else 0
         )
-        start += len(part)
+    start = len(labels)
     test_data, test_labels = _draw_split(rng, test_per_class)
     _write_batch(out / TEST_FILES[0], test_data, test_labels, "testing batch 1 of 1", start)
     meta = {

@@ -26,15 +26,8 @@ from torch.utils.data import Dataset
 from torchvision import tv_tensors
 from torchvision.io import write_jpeg
 
-from gputrain.data.images import (
-    DataError,
-    PathLike,
-    class_colour,
-    noisy_background,
-    paint,
-    read_image_rgb,
-    seeded_split,
-)
+from gputrain.data import images as synth
+from gputrain.data.images import DataError, PathLike, read_image_rgb, seeded_split
 
 logger = logging.getLogger(__name__)
 
@@ -100,9 +93,9 @@ def check_target(
     if out.any():
         i = int(out.nonzero()[0])
         raise DataError(f"image {image_file}: {who(i)} has label {int(labels[i])}, outside 1..{num_labels}")
-    if n and tuple(masks.shape[1:]) != tuple(image.shape[-2:]):
+    if n and masks.shape[1:] != image.shape[-2:]:
         raise DataError(
-            f"image {image_file}: masks are {tuple(masks.shape[1:])} but the image is {tuple(image.shape[-2:])}"
+            f"image {image_file}: masks are {list(masks.shape[1:])}, the image {list(image.shape[-2:])}"
         )
 
 
@@ -123,12 +116,8 @@ class COCODetection(Dataset[tuple[Tensor, Target]]):
         train: bool = True,
         transforms: JointTransform | None = None,
     ) -> None:
-        self.image_dir, self.annotation_json, self.train, self.transforms = (
-            Path(image_dir),
-            Path(annotation_json),
-            train,
-            transforms,
-        )
+        self.image_dir, self.annotation_json = Path(image_dir), Path(annotation_json)
+        self.train, self.transforms = train, transforms
         self.coco = load_coco(annotation_json)
         categories = sorted(self.coco.getCatIds())
         if not categories:
@@ -140,21 +129,19 @@ class COCODetection(Dataset[tuple[Tensor, Target]]):
         self.items: list[tuple[int, list[_Ann]]] = []
         for image_id in sorted(self.coco.imgs):
             info = self.coco.imgs[image_id]
-            kept = [
-                a for a in (self._clean(ann, info) for ann in self.coco.imgToAnns[image_id]) if a is not None
-            ]
-            if train and not kept:
-                self.drop_summary["no_valid_box_images"] += (
-                    1  # nothing to learn from; torchvision/mmdet skip it too
-                )
+            cleaned = [self._clean(ann, info) for ann in self.coco.imgToAnns[image_id]]
+            kept = [a for a in cleaned if a is not None]
+            if train and not kept:  # nothing to learn from; torchvision and mmdet skip these too
+                self.drop_summary["no_valid_box_images"] += 1
                 continue
             self.items.append((image_id, kept))
         counts = ", ".join(f"{k}={v}" for k, v in self.drop_summary.items())
         log = logger.warning if any(self.drop_summary.values()) else logger.info
+        split = "train" if train else "val"
         log(
-            "COCO %s (%s): %d images kept; adjusted/dropped: %s",
-            self.annotation_json,
-            "train" if train else "val",
+            "COCO %s (%s): kept %d images; adjusted/dropped: %s",
+            annotation_json,
+            split,
             len(self.items),
             counts,
         )
@@ -171,29 +158,25 @@ class COCODetection(Dataset[tuple[Tensor, Target]]):
         if ann.get("iscrowd", 0):
             self.drop_summary["crowd"] += 1
             return None
-        bbox = ann.get("bbox")
-        if (
-            not isinstance(bbox, list)
-            or len(bbox) != 4
-            or not all(isinstance(v, int | float) and math.isfinite(v) for v in bbox)
-        ):
+        bbox: Any = ann.get("bbox")
+        numeric = isinstance(bbox, list) and all(
+            isinstance(v, int | float) and math.isfinite(v) for v in bbox
+        )
+        if not numeric or len(bbox) != 4:
             raise DataError(
                 f"{where} has bbox {bbox!r}; a COCO bbox is [x, y, width, height]; fix or remove it"
             )
         x, y, w, h = (float(v) for v in bbox)
         width, height = float(info["width"]), float(info["height"])
-        box = (
-            min(max(x, 0.0), width),
-            min(max(y, 0.0), height),
-            min(max(x + w, 0.0), width),
-            min(max(y + h, 0.0), height),
-        )
-        if box[2] <= box[0] or box[3] <= box[1]:
+        x1, x2 = min(max(x, 0.0), width), min(max(x + w, 0.0), width)
+        y1, y2 = min(max(y, 0.0), height), min(max(y + h, 0.0), height)
+        box = (x1, y1, x2, y2)
+        if x2 <= x1 or y2 <= y1:
             self.drop_summary["zero_area"] += 1
             return None
         if box != (x, y, x + w, y + h):
             self.drop_summary["clipped"] += 1
-        seg = ann.get("segmentation")
+        seg: Any = ann.get("segmentation")
         if isinstance(seg, list):  # polygons with under 3 points cannot be rasterized (mmdet drops them too)
             seg = [p for p in seg if isinstance(p, list) and len(p) >= 6 and len(p) % 2 == 0]
         elif isinstance(seg, dict) and list(seg.get("size", [])) != [info["height"], info["width"]]:
@@ -204,13 +187,8 @@ class COCODetection(Dataset[tuple[Tensor, Target]]):
         usable = bool(seg) and (isinstance(seg, list) or "counts" in seg)
         if not usable:
             self.drop_summary["mask_from_box"] += 1
-        return _Ann(
-            int(ann["id"]),
-            box,
-            self.category_to_label[category],
-            float(ann.get("area", w * h)),
-            {**ann, "segmentation": seg} if usable else None,
-        )
+        label, area = self.category_to_label[category], float(ann.get("area", w * h))
+        return _Ann(int(ann["id"]), box, label, area, {**ann, "segmentation": seg} if usable else None)
 
     def __len__(self) -> int:
         return len(self.items)
@@ -231,14 +209,12 @@ class COCODetection(Dataset[tuple[Tensor, Target]]):
         height, width = int(raw.shape[1]), int(raw.shape[2])
         if (height, width) != (info["height"], info["width"]):
             raise DataError(
-                f"image {path} is {width}x{height} but {self.annotation_json} says {info['width']}x"
-                f"{info['height']} for image id {image_id}; fix width/height there or re-export the image"
+                f"image {path} is {width}x{height} but {self.annotation_json} says {info['width']}x{info['height']} "
+                f"for image id {image_id}; fix width/height there or re-export the image"
             )
-        masks = (
-            np.stack([self._mask(a, height, width) for a in anns])
-            if anns
-            else np.zeros((0, height, width), np.uint8)
-        )
+        masks = np.zeros((0, height, width), np.uint8)
+        if anns:
+            masks = np.stack([self._mask(a, height, width) for a in anns])
         image = raw.float().div_(255)
         target: Target = {
             "boxes": torch.tensor([a.box for a in anns], dtype=torch.float32).reshape(-1, 4),
@@ -249,9 +225,8 @@ class COCODetection(Dataset[tuple[Tensor, Target]]):
             "iscrowd": torch.zeros(len(anns), dtype=torch.int64),
         }
         if self.transforms is not None:
-            target["boxes"] = tv_tensors.BoundingBoxes(
-                target["boxes"], format="XYXY", canvas_size=(height, width)
-            )
+            boxes = target["boxes"]  # as tv_tensors, so v2 transforms move boxes and masks with the image
+            target["boxes"] = tv_tensors.BoundingBoxes(boxes, format="XYXY", canvas_size=(height, width))
             target["masks"] = tv_tensors.Mask(target["masks"])
             image, target = self.transforms(tv_tensors.Image(image), target)
             image = image.as_subclass(Tensor)
@@ -285,39 +260,14 @@ def split_coco(
     paths = []
     for name, idx in (("train", train_idx), ("val", val_idx)):
         ids = {images[i]["id"] for i in idx}
-        part = {
-            **data,
-            "images": [images[i] for i in idx],
-            "annotations": [a for a in data.get("annotations", []) if a["image_id"] in ids],
-        }
+        anns = [a for a in data.get("annotations", []) if a["image_id"] in ids]
         paths.append(out / f"{src.stem}_{name}.json")
-        paths[-1].write_text(json.dumps(part))
+        paths[-1].write_text(json.dumps({**data, "images": [images[i] for i in idx], "annotations": anns}))
     return paths[0], paths[1]
 
 
 CATEGORY_IDS = (3, 7, 12, 18, 25, 33, 42, 52, 63, 75)  # deliberately not 1..K
-_POLYGONS = (
-    ("square", 4, 45.0, 1.0),
-    ("triangle", 3, -90.0, 1.0),
-    ("circle", 24, 0.0, 1.0),
-    ("star", 10, -90.0, 0.45),
-    ("hexagon", 6, 0.0, 1.0),
-    ("diamond", 4, 0.0, 1.0),
-    ("pentagon", 5, -90.0, 1.0),
-    ("cross", 12, 0.0, 0.5),
-    ("octagon", 8, 22.5, 1.0),
-    ("heptagon", 7, 0.0, 1.0),
-)
-
-
-def _polygon(kind: int, cx: float, cy: float, r: float) -> list[float]:
-    _, corners, rotation, inner = _POLYGONS[kind]
-    points: list[float] = []
-    for k in range(corners):  # stars alternate an outer and an inner radius
-        radius = r * (inner if inner < 1.0 and k % 2 else 1.0)
-        angle = math.radians(rotation + 360.0 * k / corners)
-        points += [round(cx + radius * math.cos(angle), 2), round(cy + radius * math.sin(angle), 2)]
-    return points
+_ANN_KEYS = ("id", "image_id", "category_id", "bbox", "area", "segmentation", "iscrowd")
 
 
 def make_coco(
@@ -325,9 +275,9 @@ def make_coco(
 ) -> Path:
     """Write ``out/images/*.jpg`` and ``out/annotations/instances.json``, a learnable COCO set; returns ``out``.
 
-    Category ``i`` (id ``CATEGORY_IDS[i]``) is one filled polygon shape in one colour. Masks are polygons,
-    every third one a compressed RLE; every fifth image has a crowd region, every fourth an object
-    partly outside the image, and the first a zero-width box.
+    Category ``i`` (id ``CATEGORY_IDS[i]``) is one polygon shape (``POLYGON_SHAPES[i]``) in one colour.
+    Masks are polygons, every third one a compressed RLE; the last object of every fifth image is a
+    crowd, the first of every fourth straddles the image border, and the first image has a zero-width box.
     """
     if not 1 <= num_categories <= len(CATEGORY_IDS) or size < 32:
         raise ValueError(f"need 1 <= num_categories <= {len(CATEGORY_IDS)} and size >= 32")
@@ -338,88 +288,47 @@ def make_coco(
     rng = np.random.default_rng(seed)
     images: list[dict[str, Any]] = []
     anns: list[dict[str, Any]] = []
-
-    def add(image_id: int, cat: int, mask: np.ndarray, bbox: list[float], seg: Any, crowd: int = 0) -> None:
-        anns.append(
-            {
-                "id": len(anns) + 1,
-                "image_id": image_id,
-                "category_id": CATEGORY_IDS[cat],
-                "bbox": bbox,
-                "area": float(mask.sum()),
-                "segmentation": seg,
-                "iscrowd": crowd,
-            }
-        )
-
-    def rle(mask: np.ndarray) -> dict[str, Any]:
-        encoded = mask_utils.encode(np.asfortranarray(mask))
-        return {"size": encoded["size"], "counts": encoded["counts"].decode("ascii")}
-
     for i in range(num_images):
         image_id = 1000 + 7 * i  # non-contiguous ids, as real COCO has
-        canvas = noisy_background(rng, size, size)
+        canvas = synth.noisy_background(rng, size, size)
         taken = np.zeros((size, size), bool)
-        for k in range(int(rng.integers(1, 4))):
+        count = int(rng.integers(1, 4)) + (i % 5 == 4)
+        for k in range(count):
             cat = int(rng.integers(0, num_categories))
             r = float(rng.uniform(0.12, 0.22) * size)
             for _ in range(20):  # rejection-sample a place that does not overlap earlier objects
-                cx, cy = rng.uniform(r, size - r, size=2)
+                cx, cy = (float(v) for v in rng.uniform(r, size - r, size=2))
                 if k == 0 and i % 4 == 1:
                     cx = -0.4 * r if rng.random() < 0.5 else size + 0.4 * r  # straddles the left/right edge
-                poly = _polygon(cat, float(cx), float(cy), r)
-                mask = mask_utils.decode(mask_utils.merge(mask_utils.frPyObjects([poly], size, size)))
-                if mask.any() and not (taken & mask.astype(bool)).any():
+                poly = synth.polygon_points(cat, cx, cy, r)
+                rle = mask_utils.merge(mask_utils.frPyObjects([poly], size, size))
+                mask = mask_utils.decode(rle).astype(bool)
+                if mask.any() and not (taken & mask).any():
                     break
             else:
                 continue
-            taken |= mask.astype(bool)
-            paint(canvas, mask.astype(bool), class_colour(cat), rng)
+            taken |= mask
+            synth.paint(canvas, mask, synth.class_colour(cat), rng)
+            crowd = int(i % 5 == 4 and k == count - 1)
+            if crowd or len(anns) % 3 == 2:
+                rle = mask_utils.encode(np.asfortranarray(mask.astype(np.uint8)))
+                seg: Any = {"size": rle["size"], "counts": rle["counts"].decode("ascii")}
+            else:
+                seg = [poly]
             xs, ys = poly[0::2], poly[1::2]  # the unclipped extent: boxes may leave the image on purpose
             bbox = [min(xs), min(ys), round(max(xs) - min(xs), 2), round(max(ys) - min(ys), 2)]
-            add(image_id, cat, mask, bbox, rle(mask) if len(anns) % 3 == 2 else [poly])
-        if i % 5 == 4:  # a crowd: a cluster of small blobs of one category, as one RLE
-            cat, cy, cx = int(rng.integers(0, num_categories)), *rng.uniform(0.2 * size, 0.8 * size, size=2)
-            yy, xx = np.mgrid[0:size, 0:size]
-            crowd = np.zeros((size, size), bool)
-            for dy, dx in rng.normal(0, 0.06 * size, size=(5, 2)):
-                crowd |= (yy - cy - dy) ** 2 + (xx - cx - dx) ** 2 <= (0.03 * size) ** 2
-            crowd &= ~taken
-            if crowd.any():
-                paint(canvas, crowd, class_colour(cat), rng)
-                ys, xs = np.nonzero(crowd)
-                bbox = [
-                    float(xs.min()),
-                    float(ys.min()),
-                    float(xs.max() - xs.min() + 1),
-                    float(ys.max() - ys.min() + 1),
-                ]
-                add(image_id, cat, crowd.astype(np.uint8), bbox, rle(crowd.astype(np.uint8)), crowd=1)
+            values = (len(anns) + 1, image_id, CATEGORY_IDS[cat], bbox, float(mask.sum()), seg, crowd)
+            anns.append(dict(zip(_ANN_KEYS, values, strict=True)))
         if i == 0:  # a zero-width box, as annotation tools sometimes emit
-            add(
-                image_id,
-                0,
-                np.zeros((1, 1), np.uint8),
-                [5.0, 5.0, 0.0, 10.0],
-                [[5.0, 5.0, 5.0, 15.0, 5.0, 15.0]],
-            )
-        file_name = f"{image_id:012d}.jpg"
-        write_jpeg(
-            torch.from_numpy(canvas).permute(2, 0, 1).contiguous(),
-            str(out / "images" / file_name),
-            quality=95,
-        )
-        images.append({"id": image_id, "file_name": file_name, "width": size, "height": size})
+            values = (len(anns) + 1, image_id, CATEGORY_IDS[0], [5, 5, 0, 10], 0.0, [[5, 5, 5, 15, 5, 15]], 0)
+            anns.append(dict(zip(_ANN_KEYS, values, strict=True)))
+        pixels = torch.from_numpy(canvas).permute(2, 0, 1).contiguous()
+        write_jpeg(pixels, str(out / "images" / f"{image_id:012d}.jpg"), quality=95)
+        images.append({"id": image_id, "file_name": f"{image_id:012d}.jpg", "width": size, "height": size})
     categories = [
-        {"id": CATEGORY_IDS[c], "name": _POLYGONS[c][0], "supercategory": "shape"}
+        {"id": CATEGORY_IDS[c], "name": synth.POLYGON_SHAPES[c], "supercategory": "shape"}
         for c in range(num_categories)
     ]
-    doc = {
-        "info": {"description": "gputrain generated sample set"},
-        "licenses": [],
-        "images": images,
-        "annotations": anns,
-        "categories": categories,
-    }
-    (out / "annotations" / "instances.json").write_text(json.dumps(doc))
+    doc = {"info": {"description": "gputrain sample set"}, "images": images, "annotations": anns}
+    (out / "annotations" / "instances.json").write_text(json.dumps({**doc, "categories": categories}))
     return out

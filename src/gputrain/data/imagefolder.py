@@ -10,9 +10,9 @@ import torchvision.transforms.v2.functional as TF
 from torch.utils.data import Dataset
 from torchvision.io import encode_jpeg, encode_png, write_file
 
-from gputrain.data.images import read_image_rgb
+from gputrain.data.images import DECODABLE_SUFFIXES, read_image_rgb
 
-IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".webp")
+IMAGE_SUFFIXES = DECODABLE_SUFFIXES  # what read_image_rgb can decode
 
 
 def list_images(root: str | Path) -> list[Path]:

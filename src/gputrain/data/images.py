@@ -167,6 +167,35 @@ def shape_mask(kind: str, height: int, width: int, cy: float, cx: float, r: floa
     return masks[kind]()
 
 
+#: Filled polygons of the COCO generator (polygons, so its annotations are exact): name, corners,
+#: rotation in degrees, and inner radius (below 1 for stars, whose corners alternate two radii).
+POLYGON_SHAPES = (
+    "square",
+    "triangle",
+    "circle",
+    "star",
+    "hexagon",
+    "diamond",
+    "pentagon",
+    "cross",
+    "octagon",
+    "kite",
+)
+_CORNERS = (4, 3, 24, 10, 6, 4, 5, 12, 8, 4)
+_ROTATION = (45.0, -90.0, 0.0, -90.0, 0.0, 0.0, -90.0, 0.0, 22.5, 90.0)
+_INNER = (1.0, 1.0, 1.0, 0.45, 1.0, 1.0, 1.0, 0.5, 1.0, 0.6)
+
+
+def polygon_points(kind: int, cx: float, cy: float, r: float) -> list[float]:
+    """COCO polygon ``[x0, y0, x1, y1, ...]`` of ``POLYGON_SHAPES[kind]`` with radius ``r`` centred at ``(cx, cy)``."""
+    points: list[float] = []
+    for k in range(_CORNERS[kind]):
+        radius = r * (_INNER[kind] if k % 2 else 1.0)
+        angle = math.radians(_ROTATION[kind] + 360.0 * k / _CORNERS[kind])
+        points += [round(cx + radius * math.cos(angle), 2), round(cy + radius * math.sin(angle), 2)]
+    return points
+
+
 def noisy_background(rng: np.random.Generator, height: int, width: int) -> np.ndarray:
     """A dim, noisy ``uint8`` ``(H, W, 3)`` background of random tint, so colour alone is not the background."""
     tint = rng.integers(0, 90, size=3)
