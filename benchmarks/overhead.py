@@ -63,14 +63,18 @@ class EpochTimer(Hook):
         self.cpu.append(time.process_time() - self._c)
 
 
+DEVICE = torch.device("cpu")
+
+
 def hand_written(data: Dataset, ddp: bool) -> tuple[list[float], list[float]]:
     """The loop a user writes by hand: DataLoader, (DDP,) zero_grad, forward, MSE, backward, step."""
     torch.manual_seed(0)
-    model: torch.nn.Module = ConvAutoencoder()
+    model: torch.nn.Module = ConvAutoencoder().to(DEVICE)
     sampler = torch.utils.data.DistributedSampler(data, seed=0) if ddp else None
     if ddp:
-        model = torch.nn.parallel.DistributedDataParallel(model)
-    loader = DataLoader(data, batch_size=BATCH, shuffle=sampler is None, sampler=sampler)
+        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[DEVICE] if DEVICE.type == "cuda" else None)
+    loader = DataLoader(data, batch_size=BATCH, shuffle=sampler is None, sampler=sampler,
+                        pin_memory=DEVICE.type == "cuda")  # as gputrain does on CUDA
     opt = torch.optim.Adam(model.parameters(), lr=LR)
     wall, cpu = [], []
     for epoch in range(EPOCHS):
@@ -78,10 +82,13 @@ def hand_written(data: Dataset, ddp: bool) -> tuple[list[float], list[float]]:
             sampler.set_epoch(epoch)
         w, c = time.perf_counter(), time.process_time()
         for x in loader:
+            x = x.to(DEVICE, non_blocking=True)
             opt.zero_grad(set_to_none=True)
             loss = F.mse_loss(model(x), x)
             loss.backward()
             opt.step()
+        if DEVICE.type == "cuda":
+            torch.cuda.synchronize()
         wall.append(time.perf_counter() - w)
         cpu.append(time.process_time() - c)
     return wall, cpu
@@ -92,7 +99,7 @@ def with_gputrain(data: Dataset, strategy: str) -> tuple[list[float], list[float
     timer = EpochTimer()
     with tempfile.TemporaryDirectory() as out:
         trainer = Trainer(RunConfig(optim=OptimConfig(name="adam", lr=LR)), hooks=[timer], strategy=strategy,
-                          accelerator="cpu", batch_size=BATCH, epochs=EPOCHS, out=out, progress_bar=False,
+                          accelerator=DEVICE.type, batch_size=BATCH, epochs=EPOCHS, out=out, progress_bar=False,
                           loggers=[], devices=dist.get_world_size() if dist.is_initialized() else 1)
         trainer.fit(ConvAutoencoder(), data, task=ReconstructionTask())
     return timer.wall, timer.cpu
@@ -115,7 +122,7 @@ def run_variant(name: str, data: Dataset) -> dict[str, float]:
 def one_process(pairs: int) -> dict[str, list[dict[str, float]]]:
     """All single-process variants, interleaved, inside a 1-rank gloo group (DDP needs one)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    init_distributed("cpu")
+    init_distributed(DEVICE.type)
     data = Images(IMAGES)
     runs: dict[str, list[dict[str, float]]] = {k: [] for k in ("hand", "gputrain", "hand_ddp", "gputrain_ddp")}
     for _ in range(pairs):
@@ -147,15 +154,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pairs", type=int, default=5)
     parser.add_argument("--json", default="")
+    parser.add_argument("--accelerator", default="cpu", choices=["cpu", "cuda"])
     args = parser.parse_args()
     torch.set_num_threads(1)
+    global DEVICE
+    DEVICE = torch.device("cuda", 0) if args.accelerator == "cuda" else torch.device("cpu")
 
     one = one_process(args.pairs)
-    two = launch_all(_two_rank_worker, args.pairs, devices=2)[0]
+    if DEVICE.type == "cuda" and torch.cuda.device_count() < 2:
+        two = {k: [{"wall": float("nan"), "cpu": float("nan")}] for k in ("hand_ddp", "gputrain_ddp")}  # 1 GPU
+    else:
+        two = launch_all(_two_rank_worker, args.pairs, devices=2)[0]
     throughput_1 = {k: IMAGES / statistics.median(r["wall"] for r in v) for k, v in one.items()}
     throughput_2 = {k: 2 * IMAGES / statistics.median(r["wall"] for r in v) for k, v in two.items()}
     result = {
         "date": time.strftime("%Y-%m-%d"),
+        "device": torch.cuda.get_device_name(0) if DEVICE.type == "cuda" else "CPU, 1 thread per process",
+        "torch": torch.__version__,
         "setup": f"conv autoencoder, {IMAGES} images 3x{SIZE}x{SIZE} in memory, batch {BATCH}/process, Adam, "
                  f"{EPOCHS} epochs (first discarded), 1 thread/process, {args.pairs} interleaved pairs",
         "gputrain_over_hand_wall": ratio(one["gputrain"], one["hand"]),

@@ -1,0 +1,72 @@
+"""The same code paths on a real GPU. Skipped, with the reason, where torch sees no CUDA device."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gputrain.dist import DistInfo
+from gputrain.precision import build_precision
+from gputrain.strategies import build_strategy
+from gputrain.strategies.dp import check_targets_on_output_device
+from test_parity import _Images, _max_diff, _train
+
+pytestmark = pytest.mark.cuda
+CUDA0 = torch.device("cuda", 0)
+
+
+def test_single_gpu_training_matches_cpu(tmp_path, monkeypatch):
+    cpu = _train(str(tmp_path / "cpu"), "single", 1, 16)
+    torch.backends.cudnn.deterministic = True
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    from gputrain import Trainer
+    from gputrain.config import OptimConfig, RunConfig
+    from gputrain.models.vision import ConvAutoencoder
+    from gputrain.tasks.autoencoder import ReconstructionTask
+
+    torch.manual_seed(0)
+    trainer = Trainer(RunConfig(optim=OptimConfig(name="sgd", lr=0.5, momentum=0.9)), strategy="single",
+                      accelerator="cuda", batch_size=16, epochs=2, out=str(tmp_path / "gpu"), progress_bar=False,
+                      loggers=[])
+    trainer.fit(ConvAutoencoder(), _Images(), _Images(), task=ReconstructionTask())
+    gpu = {k: v.cpu() for k, v in trainer.strategy.model_state_dict(trainer.module).items()}
+    assert _max_diff(cpu, gpu) < 1e-4
+
+
+def test_dp_on_real_gpu_checks_and_runs():
+    strategy = build_strategy("dp", DistInfo(device=CUDA0), device_ids=[0], output_device=0)
+    module = strategy.setup_module(torch.nn.Linear(4, 2))
+    assert isinstance(module, torch.nn.DataParallel) and module.device_ids == [0]
+    out = module(torch.randn(3, 4, device=CUDA0))
+    assert out.device == CUDA0
+    with pytest.raises(ValueError, match="targets are on cpu but DataParallel gathers outputs on output_device=cuda:0"):
+        check_targets_on_output_device(out, torch.zeros(3), strategy.output_device)
+    with pytest.raises(ValueError, match="dp_device_ids names cuda:7"):
+        build_strategy("dp", DistInfo(device=CUDA0), device_ids=[7])
+    assert set(strategy.model_state_dict(module)) == {"weight", "bias"}
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs to scatter over; this machine has fewer")
+def test_dp_scatters_over_two_gpus():
+    strategy = build_strategy("dp", DistInfo(device=CUDA0), device_ids=[0, 1], output_device=1)
+    module = strategy.setup_module(torch.nn.Linear(4, 2))
+    assert module(torch.randn(4, 4, device=CUDA0)).device == torch.device("cuda", 1)
+    with pytest.raises(ValueError, match="batch size 1 is smaller than the 2 devices"):
+        strategy.check_batch(1)
+
+
+@pytest.mark.parametrize("name", ["16-mixed", "bf16-mixed"])
+def test_mixed_precision_on_gpu(name):
+    precision = build_precision(name, CUDA0)
+    model = torch.nn.Conv2d(3, 4, 3).to(CUDA0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = model.weight.detach().clone()
+    with precision.forward_context():
+        out = model(torch.randn(2, 3, 8, 8, device=CUDA0))
+    assert out.dtype == (torch.float16 if name == "16-mixed" else torch.bfloat16)
+    precision.backward(out.float().pow(2).mean())
+    assert precision.optimizer_step(opt)
+    assert not torch.equal(before, model.weight)
+    if name == "16-mixed":
+        assert precision.state_dict()["scaler"]["scale"] > 0
