@@ -12,6 +12,7 @@ import json
 import math
 import random
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +50,32 @@ def seed_everything(seed: int) -> None:
     """Seed torch and Python; data order does not depend on these (the samplers own it)."""
     torch.manual_seed(seed)
     random.seed(seed)
+
+
+class _LossWindow:
+    """Sample-weighted training loss: a device-side sum since the last flush, and host totals for the epoch."""
+
+    def __init__(self, strategy: Any) -> None:
+        self.strategy = strategy
+        self.loss_sum = torch.zeros((), dtype=torch.float32, device=strategy.root_device)
+        self.samples = 0
+        self.epoch_loss_sum = 0.0
+        self.epoch_samples = 0.0
+
+    def add(self, loss: torch.Tensor, n: int) -> None:
+        self.loss_sum.add_(loss.detach().float(), alpha=n)
+        self.samples += n
+
+    def flush(self) -> float:
+        """All-reduce the window (a collective: every rank calls it at the same step); returns its mean loss."""
+        both = torch.stack([self.loss_sum.double(), torch.tensor(float(self.samples), dtype=torch.float64,
+                                                                 device=self.loss_sum.device)])
+        total, n = self.strategy.all_reduce(both).tolist()
+        self.epoch_loss_sum += total
+        self.epoch_samples += n
+        self.loss_sum.zero_()
+        self.samples = 0
+        return total / n if n else float("nan")
 
 
 class Trainer:
@@ -206,9 +233,9 @@ class Trainer:
         module, accum = self.module, t.accumulate_grad_batches
         module.train()
         self.train_loader.sampler.set_epoch(self.state.epoch)  # the framework does it, never the user
-        device = self.strategy.root_device
-        epoch_sum = torch.zeros(2, dtype=torch.float64, device=device)  # [sum of loss * n, n]
-        window = torch.zeros(2, dtype=torch.float64, device=device)
+        # The loss sum stays on the device and costs one kernel per step (no host sync); it is
+        # all-reduced and folded into host totals only on logging steps and at the end of the epoch.
+        window = _LossWindow(self.strategy)
         n_micro = len(self.train_loader)
         steps_done = 0
         start = time.perf_counter()
@@ -217,31 +244,25 @@ class Trainer:
             group_len = min(accum, n_micro - group_start)  # the epoch's last group may be short
             sync = i - group_start == group_len - 1
             loss, n = self.run_micro_batch(batch, sync=sync, scale=1.0 / group_len)
-            weighted = loss.detach().double() * n  # stays on device: no host sync per step
-            epoch_sum[0] += weighted
-            epoch_sum[1] += n
-            window[0] += weighted
-            window[1] += n
+            window.add(loss, n)
             if not sync:
                 continue
             self.optimizer_step()
             steps_done += 1
             logs = None
             if t.log_every_n_steps and self.state.global_step % t.log_every_n_steps == 0:
-                reduced = self.strategy.all_reduce(window.clone())
-                logs = {"train/loss": float(reduced[0] / reduced[1]), "lr": self.optimizer.param_groups[0]["lr"]}
-                window.zero_()
+                logs = {"train/loss": window.flush(), "lr": self.optimizer.param_groups[0]["lr"]}
             self._call("after_step", logs)
             if steps_done >= self.steps_per_epoch:
                 break
+        window.flush()
         train_s = time.perf_counter() - start
-        total = self.strategy.all_reduce(epoch_sum).tolist()
         return {
-            "train/loss": total[0] / max(total[1], 1),
-            "train/samples": total[1],
+            "train/loss": window.epoch_loss_sum / max(window.epoch_samples, 1),
+            "train/samples": window.epoch_samples,
             "train/steps": steps_done,
             "time/train_s": train_s,
-            "train/images_per_s": total[1] / train_s if train_s > 0 else 0.0,
+            "train/images_per_s": window.epoch_samples / train_s if train_s > 0 else 0.0,
         }
 
     def run_micro_batch(self, batch: Any, *, sync: bool, scale: float) -> tuple[torch.Tensor, int]:
@@ -257,7 +278,7 @@ class Trainer:
                 if not self.task.targets_to_model:
                     self.strategy.check_loss_inputs(outputs, targets)
                 loss = self.task.loss(outputs, targets)
-            self.precision.backward(loss * scale)
+            self.precision.backward(loss if scale == 1.0 else loss * scale)
         self.state.samples_seen += n * self.dist.world_size
         return loss, n
 
@@ -270,9 +291,14 @@ class Trainer:
         if clip > 0:
             self.precision.unscale(self.optimizer)
             torch.nn.utils.clip_grad_norm_(self.strategy.unwrap(self.module).parameters(), clip)
-        self.precision.optimizer_step(self.optimizer)
+        stepped = self.precision.optimizer_step(self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
+        if stepped:
+            self.scheduler.step()
+        else:
+            with warnings.catch_warnings():  # GradScaler skipped a step on inf/NaN: the schedule still counts it
+                warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()` before")
+                self.scheduler.step()
         self.state.global_step += 1
 
     @torch.no_grad()

@@ -120,34 +120,51 @@ def resnet50_classifier(num_classes: int = 1000, weights_path: str | Path | None
 
 
 _BACKBONE_LAYERS = ["layer4", "layer3", "layer2", "layer1", "conv1"]
+MASKRCNN_BACKBONES = ("resnet18", "resnet34", "resnet50", "resnet101", "resnet152")
+"""ResNets Mask R-CNN can sit on; resnet50 is torchvision's ``maskrcnn_resnet50_fpn`` itself."""
 
 
 def maskrcnn(
     num_classes: int,
     weights_path: str | Path | None = None,
     *,
+    backbone: str = "resnet50",
     min_size: int = 800,
     max_size: int = 1333,
     trainable_backbone_layers: int | None = None,
     **kwargs: Any,
 ) -> nn.Module:
-    """Mask R-CNN with a ResNet-50-FPN backbone, randomly initialized (or from ``weights_path``).
+    """Mask R-CNN with a ResNet-FPN backbone, randomly initialized (or from ``weights_path``).
 
-    ``num_classes`` counts the background class. ``min_size``/``max_size`` are the resize
-    bounds of the model's transform (small values make CPU tests fast).
+    ``num_classes`` counts the background class. ``backbone="resnet50"`` (the default) is
+    exactly torchvision's ``maskrcnn_resnet50_fpn``; another ResNet (e.g. ``resnet18`` for
+    CPU tests) is built the same way: trainable BatchNorm (no pretrained statistics to
+    freeze) under the same FPN and heads. ``min_size``/``max_size`` are the resize bounds of
+    the model's transform (small values make CPU tests fast).
     ``trainable_backbone_layers`` (0-5, counted from layer4 down to conv1) freezes the rest
     of the backbone; torchvision itself ignores it without pretrained weights, so it is
     applied here. Frozen layers keep plain BatchNorm, whose running stats still update in
     train mode. Other keyword arguments go to torchvision's ``MaskRCNN``.
     """
-    model = torchvision.models.detection.maskrcnn_resnet50_fpn(
-        weights=None,
-        weights_backbone=None,
-        num_classes=num_classes,
-        min_size=min_size,
-        max_size=max_size,
-        **kwargs,
-    )
+    detection = torchvision.models.detection
+    if backbone == "resnet50":
+        model = detection.maskrcnn_resnet50_fpn(
+            weights=None,
+            weights_backbone=None,
+            num_classes=num_classes,
+            min_size=min_size,
+            max_size=max_size,
+            **kwargs,
+        )
+    elif backbone in MASKRCNN_BACKBONES:
+        # What maskrcnn_resnet50_fpn does without pretrained weights: plain BatchNorm
+        # (resnet_fpn_backbone defaults to FrozenBatchNorm2d) and every layer trainable.
+        fpn = detection.backbone_utils.resnet_fpn_backbone(
+            backbone_name=backbone, weights=None, norm_layer=nn.BatchNorm2d, trainable_layers=5
+        )
+        model = detection.MaskRCNN(fpn, num_classes=num_classes, min_size=min_size, max_size=max_size, **kwargs)
+    else:
+        raise ValueError(f"maskrcnn(backbone={backbone!r}) is unknown; choose one of {MASKRCNN_BACKBONES}")
     load_weights(model, weights_path)
     if trainable_backbone_layers is not None:
         if not 0 <= trainable_backbone_layers <= 5:
