@@ -1,7 +1,8 @@
 """Trainer overhead and DDP scaling against hand-written PyTorch loops, measured in one run.
 
 Figures (issue 3):
-  1. gputrain (strategy single) epoch time / hand-written loop, 1 process, 1 thread;
+  1. gputrain (strategy single) epoch time / hand-written loop, 1 process, 1 thread; checkpointing
+     off so both do the same work (a second row adds gputrain's per-epoch atomic checkpoints);
   2. gputrain DDP on a 1-rank process group / hand-written plain loop;
   3. 2-rank weak-scaling efficiency of gputrain DDP next to a hand-written DDP loop's.
 
@@ -94,13 +95,14 @@ def hand_written(data: Dataset, ddp: bool) -> tuple[list[float], list[float]]:
     return wall, cpu
 
 
-def with_gputrain(data: Dataset, strategy: str) -> tuple[list[float], list[float]]:
+def with_gputrain(data: Dataset, strategy: str, checkpoints: bool = False) -> tuple[list[float], list[float]]:
     torch.manual_seed(0)
     timer = EpochTimer()
     with tempfile.TemporaryDirectory() as out:
         trainer = Trainer(RunConfig(optim=OptimConfig(name="adam", lr=LR)), hooks=[timer], strategy=strategy,
                           accelerator=DEVICE.type, batch_size=BATCH, epochs=EPOCHS, out=out, progress_bar=False,
-                          loggers=[], devices=dist.get_world_size() if dist.is_initialized() else 1)
+                          loggers=[], devices=dist.get_world_size() if dist.is_initialized() else 1,
+                          enable_checkpointing=checkpoints)
         trainer.fit(ConvAutoencoder(), data, task=ReconstructionTask())
     return timer.wall, timer.cpu
 
@@ -115,6 +117,7 @@ def run_variant(name: str, data: Dataset) -> dict[str, float]:
         "hand_ddp": lambda: hand_written(data, ddp=True),
         "gputrain": lambda: with_gputrain(data, "single"),
         "gputrain_ddp": lambda: with_gputrain(data, "ddp"),
+        "gputrain_ckpt": lambda: with_gputrain(data, "single", checkpoints=True),
     }[name]()
     return {"wall": steady(wall), "cpu": steady(cpu)}
 
@@ -124,7 +127,8 @@ def one_process(pairs: int) -> dict[str, list[dict[str, float]]]:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     init_distributed(DEVICE.type)
     data = Images(IMAGES)
-    runs: dict[str, list[dict[str, float]]] = {k: [] for k in ("hand", "gputrain", "hand_ddp", "gputrain_ddp")}
+    runs: dict[str, list[dict[str, float]]] = {
+        k: [] for k in ("hand", "gputrain", "hand_ddp", "gputrain_ddp", "gputrain_ckpt")}
     for _ in range(pairs):
         for name in runs:
             runs[name].append(run_variant(name, data))
@@ -175,7 +179,9 @@ def main() -> None:
                  f"{EPOCHS} epochs (first discarded), 1 thread/process, {args.pairs} interleaved pairs",
         "gputrain_over_hand_wall": ratio(one["gputrain"], one["hand"]),
         "gputrain_over_hand_cpu": ratio(one["gputrain"], one["hand"], "cpu"),
+        "gputrain_with_checkpoints_over_hand_wall": ratio(one["gputrain_ckpt"], one["hand"]),
         "gputrain_ddp1_over_hand_wall": ratio(one["gputrain_ddp"], one["hand"]),
+        "gputrain_ddp1_over_hand_ddp1_wall": ratio(one["gputrain_ddp"], one["hand_ddp"]),
         "gputrain_ddp1_over_hand_cpu": ratio(one["gputrain_ddp"], one["hand"], "cpu"),
         "hand_ddp1_over_hand_wall": ratio(one["hand_ddp"], one["hand"]),
         "epoch_s_median": {k: statistics.median(r["wall"] for r in v) for k, v in one.items()},
@@ -187,6 +193,9 @@ def main() -> None:
     print(f"| figure | value |\n|---|---|\n"
           f"| gputrain / hand-written loop, epoch wall time (CPU time) | {result['gputrain_over_hand_wall']:.3f} "
           f"({result['gputrain_over_hand_cpu']:.3f}) |\n"
+          f"| gputrain with per-epoch atomic checkpoints (last.pt + epoch file, fsync) / hand-written, wall | "
+          f"{result['gputrain_with_checkpoints_over_hand_wall']:.3f} |\n"
+          f"| gputrain DDP, 1 rank / hand-written DDP, 1 rank, wall | {result['gputrain_ddp1_over_hand_ddp1_wall']:.3f} |\n"
           f"| gputrain DDP, 1 rank / hand-written plain loop, wall (CPU) | {result['gputrain_ddp1_over_hand_wall']:.3f} "
           f"({result['gputrain_ddp1_over_hand_cpu']:.3f}) |\n"
           f"| hand-written DDP, 1 rank / hand-written plain loop, wall | {result['hand_ddp1_over_hand_wall']:.3f} |\n"

@@ -23,6 +23,18 @@ for part in "${@:-tests bench}"; do
       python3 -m gputrain bench scale autoencoder --devices 1 --batch-size 64,128 --epochs 4 --accelerator cuda \
         --out "$OUT/scale" data.root=/tmp/frames data.num_workers=6 ;;
     recipes)
-      python3 benchmarks/recipes.py --accelerator cuda --json "$OUT/recipes_cuda.json" 2>&1 | tail -20 ;;
+      # Each built-in recipe on one GPU with its own precision, on generated data, 3 epochs.
+      D=/tmp/gpudata; GT="python3 -m gputrain"
+      [ -d $D/cifar10 ] || $GT data make cifar10 --out $D/cifar10 --count 12000 >/dev/null
+      [ -d $D/ade20k ] || $GT data make ade20k --out $D/ade20k --count 240 --size 256 >/dev/null
+      [ -d $D/coco ] || $GT data make coco --out $D/coco --count 120 --size 256 >/dev/null
+      [ -d $D/classes ] || $GT data make classfolder --out $D/classes --count 2000 --size 128 >/dev/null
+      R=/tmp/gpuruns  # checkpoints of ResNet-50/DeepLab/Mask R-CNN are large: keep them off $OUT
+      common="--accelerator cuda --epochs 3 trainer.progress_bar=false data.num_workers=6 trainer.checkpoint_every_n_epochs=0"
+      $GT train cifar10-resnet18 $common --data-root $D/cifar10 --batch-size 256 --out $R/r_cifar10 2>&1 | grep "epoch 3"
+      $GT train imagefolder-resnet50 $common --data-root $D/classes --batch-size 64 data.image_size=128 --out $R/r_resnet50 2>&1 | grep "epoch 3"
+      $GT train ade20k-deeplabv3plus $common --data-root $D/ade20k --batch-size 16 data.image_size=256 data.num_classes=8 --out $R/r_deeplab 2>&1 | grep "epoch 3"
+      $GT train coco-maskrcnn $common --data-root $D/coco --batch-size 8 --out $R/r_maskrcnn 2>&1 | grep "epoch 3"
+      python3 benchmarks/summarize_runs.py $R/r_cifar10 $R/r_resnet50 $R/r_deeplab $R/r_maskrcnn | tee $OUT/recipes_cuda.md ;;
   esac
 done

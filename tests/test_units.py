@@ -119,25 +119,33 @@ def test_truncated_checkpoint_error_names_file(tmp_path):
 
 @pytest.mark.parametrize("name", ["16-mixed", "bf16-mixed"])
 def test_mixed_precision_trains_and_keeps_scaler_state(name):
+    torch.manual_seed(0)
     precision = build_precision(name, torch.device("cpu"))
     model = torch.nn.Linear(4, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     before = model.weight.detach().clone()
-    with precision.forward_context():
-        out = model(torch.randn(8, 4))
-        assert out.dtype == (torch.float16 if name == "16-mixed" else torch.bfloat16)
-        loss = out.float().pow(2).mean()
-    precision.backward(loss)
-    assert precision.optimizer_step(opt)
-    assert not torch.equal(before, model.weight)
+    x = torch.randn(8, 4) * 30  # gradients ~1e3: times the initial scale 65536 they overflow float16
+    results = []
+    for _ in range(12):
+        with precision.forward_context():
+            out = model(x)
+            assert out.dtype == (torch.float16 if name == "16-mixed" else torch.bfloat16)
+            loss = out.float().pow(2).mean()
+        precision.backward(loss)
+        results.append(precision.optimizer_step(opt))
+        opt.zero_grad()
+        if results[-1]:
+            break
+    assert results[-1] and not torch.equal(before, model.weight)
     state = precision.state_dict()
     if name == "16-mixed":
-        assert state["scaler"]["scale"] == 65536.0
+        assert results[0] is False  # the overflowing step was skipped, not applied
+        assert state["scaler"]["scale"] == 65536.0 * 0.5 ** (len(results) - 1)
         other = build_precision(name, torch.device("cpu"))
         other.load_state_dict({"scaler": {**state["scaler"], "scale": 128.0}})
         assert other.scaler.get_scale() == 128.0
     else:
-        assert state == {}
+        assert results == [True] and state == {}
 
 
 def test_unknown_precision_and_strategy_say_what_is_valid():

@@ -109,6 +109,8 @@ class TrainerConfig:
     resume: str = ""
     """``auto`` (out/checkpoints/last.pt if present), a checkpoint path, or empty."""
     log_every_n_steps: int = 10
+    enable_checkpointing: bool = True
+    """Write checkpoints at all; off only for throwaway runs and overhead benchmarks."""
     checkpoint_every_n_epochs: int = 1
     """Also keep ``epoch_NNNN.pt`` every n epochs; ``last.pt`` is written every epoch. 0 keeps only last.pt."""
     eval_every_n_epochs: int = 1

@@ -154,7 +154,9 @@ class Trainer:
             steps_per_epoch=self.steps_per_epoch,
         )
         self.hooks: list[Hook] = [ProgressHook()] if t.progress_bar else []
-        self.hooks += [LoggingHook(list(t.loggers)), CheckpointHook(self.out / "checkpoints", t.checkpoint_every_n_epochs)]
+        self.hooks.append(LoggingHook(list(t.loggers)))
+        if t.enable_checkpointing:
+            self.hooks.append(CheckpointHook(self.out / "checkpoints", t.checkpoint_every_n_epochs))
         self.hooks += self.extra_hooks
         if t.resume:
             self._resume(t.resume)
