@@ -151,7 +151,7 @@ def _two_rank_worker(pairs: int) -> dict[str, list[dict[str, float]]]:
 
 
 def ratio(a: list[dict[str, float]], b: list[dict[str, float]], key: str = "wall") -> float:
-    return statistics.median(x[key] / y[key] for x, y in zip(a, b))
+    return statistics.median(x[key] / y[key] for x, y in zip(a, b, strict=True))
 
 
 def main() -> None:

@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from gputrain.config import RunConfig
-from gputrain.data.images import seeded_split
 from gputrain.data.imagefolder import ImageFiles, list_images
+from gputrain.data.images import seeded_split
 from gputrain.models import build_model
 from gputrain.tasks.base import Task
 from gputrain.tasks.spec import TaskSpec

@@ -34,7 +34,7 @@ def export_onnx(checkpoint: str | Path, out: str | Path, *, input_shape: list[in
         try:
             example = build_task(cfg).example_input
         except (FileNotFoundError, ValueError) as err:
-            raise ValueError(f"cannot read a sample input from the training data ({err}); pass --input-shape N,C,H,W")
+            raise ValueError(f"cannot read a sample input from the training data ({err}); pass --input-shape N,C,H,W") from None
         if example is None:
             raise ValueError("this task has no sample input; pass --input-shape N,C,H,W")
     out = Path(out)

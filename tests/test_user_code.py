@@ -1,0 +1,95 @@
+"""Recipes that name the user's own task and model by ``package.module:function``; launcher environments."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from gputrain.config import load_config
+from gputrain.dist import launched_env
+from gputrain.launch import LaunchSpec, torchrun_args
+from gputrain.tasks import build_task
+from gputrain.tools.train import train_from_config
+
+USER_MODULE = '''
+import torch
+from torch.utils.data import TensorDataset
+from gputrain.tasks.base import Task
+from gputrain.tasks.spec import TaskSpec
+from gputrain.models import build_model
+
+def tiny_classifier(num_classes=3):
+    return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(12, num_classes))
+
+def build(cfg):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(40, 3, 2, 2, generator=g)
+    y = (x.flatten(1).sum(1) > 0).long()
+    model = build_model(cfg.model.name, **cfg.model.kwargs)
+    return TaskSpec(task=Task(torch.nn.functional.cross_entropy), model=model,
+                    train_data=TensorDataset(x[:30], y[:30]), val_data=TensorDataset(x[30:], y[30:]))
+'''
+
+
+@pytest.fixture
+def user_module(tmp_path, monkeypatch):
+    (tmp_path / "my_project.py").write_text(textwrap.dedent(USER_MODULE))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield "my_project"
+    sys.modules.pop("my_project", None)
+
+
+def test_recipe_with_user_task_and_model_trains(user_module, tmp_path):
+    recipe = tmp_path / "mine.yaml"
+    recipe.write_text(
+        "task: my_project:build\nmodel:\n  name: my_project:tiny_classifier\n  kwargs: {num_classes: 2}\n"
+        f"trainer:\n  strategy: single\n  accelerator: cpu\n  epochs: 2\n  batch_size: 10\n  out: {tmp_path / 'run'}\n"
+        "  progress_bar: false\n  loggers: []\n"
+    )
+    summary = train_from_config(load_config(str(recipe)))
+    assert summary["epochs"] == 2 and summary["iters_per_epoch"] == {"train": 3, "val": 1, "total": 4}
+    assert (tmp_path / "run" / "checkpoints" / "last.pt").is_file()
+
+
+def test_user_code_errors_name_the_field(user_module):
+    with pytest.raises(ValueError, match="task='my_project:nope': module my_project has no attribute 'nope'"):
+        build_task(load_config(None, ["task=my_project:nope"]))
+    with pytest.raises(ValueError, match="model.name='no_such_pkg:f': cannot import no_such_pkg"):
+        build_task(load_config(None, ["task=my_project:build", "model.name=no_such_pkg:f"]))
+
+
+def test_torchrun_and_slurm_environments(monkeypatch):
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "MASTER_ADDR"):
+        monkeypatch.delenv(key, raising=False)
+    assert launched_env() is None
+    monkeypatch.setenv("SLURM_PROCID", "3")
+    monkeypatch.setenv("SLURM_NTASKS", "4")
+    monkeypatch.setenv("SLURM_LOCALID", "1")
+    with pytest.raises(RuntimeError, match="MASTER_ADDR is not set"):
+        launched_env()
+    monkeypatch.setenv("MASTER_ADDR", "node001")
+    assert launched_env() == {"rank": 3, "local_rank": 1, "world_size": 4}
+    monkeypatch.setenv("RANK", "5")  # torchrun inside a SLURM allocation: torchrun's variables win
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert launched_env() == {"rank": 5, "local_rank": 1, "world_size": 8}
+
+
+def test_multinode_arguments_pass_through_to_torchrun():
+    args = torchrun_args(LaunchSpec(nproc_per_node=4, nnodes=2, node_rank=1, rdzv_endpoint="10.0.0.1:29400"),
+                         ["prog"])
+    assert args == ["--nproc-per-node=4", "--max-restarts=0", "--nnodes=2", "--node-rank=1", "--rdzv-backend=c10d",
+                    "--rdzv-endpoint=10.0.0.1:29400", "--rdzv-id=gputrain", "prog"]
+    assert "--standalone" in torchrun_args(LaunchSpec(nproc_per_node=2), [])
+    with pytest.raises(ValueError, match="--nnodes 2 needs --rdzv-endpoint"):
+        torchrun_args(LaunchSpec(nnodes=2), [])
+
+
+def test_trainer_refuses_devices_without_a_launcher():
+    from gputrain import Trainer
+
+    with pytest.raises(RuntimeError, match="torchrun --nproc-per-node 2"):
+        Trainer(strategy="ddp", devices=2, accelerator="cpu").fit(torch.nn.Linear(2, 2), [(torch.zeros(2), 0)])
