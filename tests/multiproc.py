@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from gputrain.dist import DistInfo, init_distributed, teardown
+from gputrain.dist import init_distributed, teardown
 from gputrain.launch import launch_all
 
 
