@@ -85,7 +85,14 @@ def test_resume_auto_continues_the_run(two_rank_run, frames, tmp_path):
     done = gputrain("train", "autoencoder", "--devices", "1", "--accelerator", "cpu", "--epochs", "3",
                     "--batch-size", "16", "--data-root", str(frames), "--out", str(run), "--resume", "auto")
     assert "epoch 3:" in done.stdout and "epoch 1:" not in done.stdout
-    assert torch.load(run / "checkpoints" / "last.pt", weights_only=True)["state"]["epoch"] == 3
+    state = torch.load(run / "checkpoints" / "last.pt", weights_only=True)
+    assert state["state"]["epoch"] == 3
+    import csv
+
+    rows = list(csv.DictReader((run / "metrics.csv").open()))
+    assert [r["epoch"] for r in rows if r.get("val/loss")] == ["1", "2", "3"]  # history kept across the resume
+    two_rank = torch.load(out / "checkpoints" / "last.pt", weights_only=True)
+    assert sorted(two_rank["rng"]) == ["0", "1"]  # each rank's generators, so each resumes its own
 
 
 def test_corrupt_image_error_names_the_file(frames, tmp_path):

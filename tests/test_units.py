@@ -190,3 +190,15 @@ def test_dp_strategy_on_cpu_warns_and_unwraps_without_prefix():
     assert set(strategy.model_state_dict(module)) == {"weight", "bias"}
     with pytest.raises(ValueError, match="cannot run under a 2-process launch"):
         build_strategy("dp", DistInfo(world_size=2))
+
+
+def test_task_records_derived_model_arguments_in_config():
+    from gputrain.config import ModelConfig
+    from gputrain.models import build_configured_model
+
+    cfg = ModelConfig(kwargs={"cifar_stem": False})
+    model = build_configured_model(cfg, "resnet18", num_classes=7)
+    assert cfg.name == "resnet18" and cfg.kwargs == {"num_classes": 7, "cifar_stem": False}
+    assert model.fc.out_features == 7
+    explicit = ModelConfig(name="resnet18", kwargs={"num_classes": 3})
+    assert build_configured_model(explicit, "resnet50", num_classes=7).fc.out_features == 3

@@ -68,7 +68,7 @@ def test_torchrun_and_slurm_environments(monkeypatch):
     monkeypatch.setenv("SLURM_PROCID", "3")
     monkeypatch.setenv("SLURM_NTASKS", "4")
     monkeypatch.setenv("SLURM_LOCALID", "1")
-    with pytest.raises(RuntimeError, match="MASTER_ADDR is not set"):
+    with pytest.raises(ValueError, match="MASTER_ADDR is not set"):
         launched_env()
     monkeypatch.setenv("MASTER_ADDR", "node001")
     assert launched_env() == {"rank": 3, "local_rank": 1, "world_size": 4}
@@ -91,5 +91,5 @@ def test_multinode_arguments_pass_through_to_torchrun():
 def test_trainer_refuses_devices_without_a_launcher():
     from gputrain import Trainer
 
-    with pytest.raises(RuntimeError, match="torchrun --nproc-per-node 2"):
+    with pytest.raises(ValueError, match="torchrun --nproc-per-node 2"):
         Trainer(strategy="ddp", devices=2, accelerator="cpu").fit(torch.nn.Linear(2, 2), [(torch.zeros(2), 0)])

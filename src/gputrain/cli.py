@@ -148,6 +148,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        # Recipes name user code as package.module:function; find it in the working directory as
+        # `python -m gputrain` (what torchrun workers run) does, so 1 and N processes behave alike.
+        sys.path.insert(0, os.getcwd())
     parser = build_parser()
     # Dotted overrides may come after flags; argparse cannot mix a nargs="*" positional with
     # flags under sub-commands, so collect leftovers of the form key=value ourselves.

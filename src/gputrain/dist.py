@@ -46,7 +46,7 @@ def resolve_accelerator(accelerator: str) -> str:
     if accelerator == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if accelerator == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(
+        raise ValueError(
             "trainer.accelerator=cuda but torch sees no CUDA device; use --accelerator cpu "
             "(or auto) on this machine"
         )
@@ -68,7 +68,7 @@ def launched_env() -> dict[str, int] | None:
         }
     if "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
         if "MASTER_ADDR" not in env:
-            raise RuntimeError(
+            raise ValueError(
                 "running under SLURM with several tasks but MASTER_ADDR is not set; export "
                 "MASTER_ADDR=$(scontrol show hostnames $SLURM_JOB_NODELIST | head -n 1) in the "
                 "batch script (and MASTER_PORT if 29500 is taken)"
@@ -96,7 +96,7 @@ def init_distributed(accelerator: str = "auto", timeout_s: float = 600.0) -> Dis
     if kind == "cuda":
         n = torch.cuda.device_count()
         if layout["local_rank"] >= n:
-            raise RuntimeError(
+            raise ValueError(
                 f"local rank {layout['local_rank']} has no GPU: this node has {n}; "
                 f"start at most {n} processes per node (--devices {n})"
             )

@@ -106,7 +106,7 @@ class Trainer:
         t = self.cfg.trainer
         self.dist = init_distributed(t.accelerator)
         if t.devices > 1 and self.dist.world_size == 1 and t.strategy != "dp":
-            raise RuntimeError(
+            raise ValueError(
                 f"trainer.devices={t.devices} but this process was started alone; start it with "
                 f"`gputrain train ... --devices {t.devices}`, `torchrun --nproc-per-node {t.devices} script.py` "
                 f"or gputrain.launch(fn, devices={t.devices})"
@@ -129,7 +129,7 @@ class Trainer:
         return DataLoader(
             data, batch_size=t.batch_size if train else (t.eval_batch_size or t.batch_size), sampler=sampler,
             collate_fn=self.task.collate_fn(), num_workers=workers, pin_memory=self.dist.device.type == "cuda",
-            persistent_workers=workers > 0,
+            persistent_workers=workers > 0, drop_last=train and t.drop_last,
         )
 
     def _setup(self, model: nn.Module, task: Task, train_data: Dataset, val_data: Dataset | None) -> None:
@@ -143,6 +143,9 @@ class Trainer:
         self.strategy.check_batch(t.batch_size)
         self.module = self.strategy.setup_module(model)
         self.optimizer = build_optimizer(self.strategy.unwrap(self.module), self.cfg.optim)
+        # Weights were initialised from the shared seed; from here on (dropout, augmentation in the main
+        # process) each rank draws its own stream, else all ranks would augment their samples alike.
+        seed_everything(t.seed + 100_003 * self.dist.rank)
         self.train_loader = self._loader(train_data, train=True)
         self.val_loader = None if val_data is None else self._loader(val_data, train=False)
         micro = len(self.train_loader)
@@ -153,8 +156,7 @@ class Trainer:
             self.optimizer, self.cfg.scheduler, total_steps=self.steps_per_epoch * t.epochs,
             steps_per_epoch=self.steps_per_epoch,
         )
-        self.hooks: list[Hook] = [ProgressHook()] if t.progress_bar else []
-        self.hooks.append(LoggingHook(list(t.loggers)))
+        self.hooks: list[Hook] = [ProgressHook(bar=t.progress_bar), LoggingHook(list(t.loggers))]
         if t.enable_checkpointing:
             self.hooks.append(CheckpointHook(self.out / "checkpoints", t.checkpoint_every_n_epochs))
         self.hooks += self.extra_hooks
@@ -166,7 +168,7 @@ class Trainer:
             global_batch = t.batch_size * self.dist.world_size * t.accumulate_grad_batches
             print(
                 f"gputrain: strategy={self.strategy.name} world_size={self.dist.world_size} device={self.dist.device} "
-                f"precision={self.precision.name} batch_size={t.batch_size}/device global_batch={global_batch}",
+                f"precision={self.precision.name} batch_size={t.batch_size}/process global_batch={global_batch}",
                 flush=True,
             )
 
@@ -175,6 +177,13 @@ class Trainer:
         if where == "auto" and not path.is_file():
             return  # nothing to resume yet: start fresh
         state = load_checkpoint(path, map_location=self.dist.device)
+        saved_optim = state.get("config", {}).get("optim", {}).get("name", self.cfg.optim.name)
+        if saved_optim != self.cfg.optim.name:
+            raise ValueError(
+                f"checkpoint {path} was trained with optim.name={saved_optim} but this run sets "
+                f"optim.name={self.cfg.optim.name}; resume with the same optimizer, or load only the weights "
+                f"(model.kwargs.weights_path) to start a new run"
+            )
         self.strategy.load_model_state_dict(self.module, state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
@@ -193,10 +202,15 @@ class Trainer:
             "scheduler": self.scheduler.state_dict(),
             "precision": self.precision.state_dict(),
             "state": dataclasses.asdict(self.state),
-            "rng": {str(self.dist.rank): rng_state()},
+            "rng": self._rng_states(),
             "world_size": self.dist.world_size,
             "config": self.config_dict,
         }
+
+    def _rng_states(self) -> dict[str, Any]:
+        """Every rank's generator states (a collective), keyed by rank, so each rank resumes its own."""
+        gathered = self.strategy.gather_objects(rng_state())
+        return {str(rank): state for rank, state in enumerate(gathered)} if gathered else {}
 
     # -- the loop ------------------------------------------------------------------------
     def fit(

@@ -13,7 +13,7 @@ if TYPE_CHECKING:
     from gputrain.loop import Trainer
 
 
-class NonFiniteLossError(RuntimeError):
+class NonFiniteLossError(ValueError):
     """Training produced NaN/inf; the last good checkpoint is kept."""
 
 
@@ -26,9 +26,11 @@ class CheckpointHook(Hook):
         loss = metrics.get("train/loss", 0.0)
         if not math.isfinite(loss):
             # Never let a diverged run overwrite a good checkpoint.
+            last = self.folder / "last.pt"
+            kept = f"the last good one, {last}, is kept" if last.is_file() else "none had been written yet"
             raise NonFiniteLossError(
-                f"train/loss is {loss} after epoch {trainer.state.epoch}; checkpoints were not overwritten "
-                f"(last good: {self.folder / 'last.pt'}); lower optim.lr or set trainer.grad_clip_norm"
+                f"train/loss is {loss} after epoch {trainer.state.epoch}; no checkpoint was written ({kept}); "
+                "lower optim.lr or set trainer.grad_clip_norm"
             )
         state = trainer.checkpoint_state()  # collective-free, but every rank builds it (FSDP will gather)
         if trainer.dist.is_main:

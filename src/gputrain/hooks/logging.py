@@ -46,16 +46,21 @@ class JsonlLogger(MetricLogger):
 class CsvLogger(MetricLogger):
     """``metrics.csv``: one row per record, one column per metric name seen so far."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, *, append: bool = False) -> None:
         self.path = path
         self.rows: list[dict[str, Any]] = []
         self.columns: list[str] = ["epoch", "step"]
+        if append and path.is_file():  # a resumed run continues the file instead of starting it over
+            with path.open(newline="", encoding="utf-8") as f:
+                reader = csv.DictReader(f)
+                self.columns = list(reader.fieldnames or self.columns)
+                self.rows = list(reader)
 
     def log(self, metrics: dict[str, float], *, step: int, epoch: int) -> None:
         self.rows.append({"epoch": epoch, "step": step, **metrics})
         new = [k for k in metrics if k not in self.columns]
         self.columns += new
-        if new or len(self.rows) == 1:
+        if new or not self.path.is_file():
             self._rewrite()  # a new column changes the header: write the whole file again
         else:
             with self.path.open("a", newline="", encoding="utf-8") as f:
@@ -108,7 +113,7 @@ def build_loggers(names: list[str], out: Path, *, resume: bool, config: dict[str
     loggers: list[MetricLogger] = [JsonlLogger(out / "metrics.jsonl", append=resume)]
     for name in names:
         if name == "csv":
-            loggers.append(CsvLogger(out / "metrics.csv"))
+            loggers.append(CsvLogger(out / "metrics.csv", append=resume))
         elif name == "tensorboard":
             loggers.append(TensorBoardLogger(out / "tensorboard"))
         elif name == "wandb":

@@ -1,4 +1,4 @@
-"""A tqdm bar on rank 0 only."""
+"""Console progress on rank 0 only: a tqdm bar and an epoch summary line."""
 
 from __future__ import annotations
 
@@ -13,11 +13,14 @@ if TYPE_CHECKING:
 
 
 class ProgressHook(Hook):
-    def __init__(self) -> None:
+    """A bar per epoch (when ``bar``) and one summary line per epoch, on rank 0."""
+
+    def __init__(self, bar: bool = True) -> None:
+        self.show_bar = bar
         self.bar: tqdm | None = None
 
     def before_epoch(self, trainer: Trainer) -> None:
-        if trainer.dist.is_main:
+        if trainer.dist.is_main and self.show_bar:
             self.bar = tqdm(
                 total=trainer.steps_per_epoch, desc=f"epoch {trainer.state.epoch + 1}/{trainer.cfg.trainer.epochs}",
                 leave=False, mininterval=1.0, dynamic_ncols=True, disable=None,  # None: off when not a TTY

@@ -5,11 +5,14 @@ Model code knows nothing about parallelism: strategies wrap models, models never
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
 from gputrain.imports import resolve
+
+if TYPE_CHECKING:
+    from gputrain.config import ModelConfig
 
 BUILTIN_MODELS: dict[str, str] = {
     "conv_autoencoder": "gputrain.models.vision:conv_autoencoder",
@@ -29,3 +32,15 @@ def build_model(name: str, **kwargs: Any) -> nn.Module:
     if not isinstance(model, nn.Module):
         raise TypeError(f"model.name={name!r} returned {type(model).__name__}, not an nn.Module")
     return model
+
+
+def build_configured_model(cfg: ModelConfig, default: str, **derived: Any) -> nn.Module:
+    """Build ``cfg``'s model, first writing the resolved name and kwargs back into ``cfg``.
+
+    Tasks derive some arguments from the data (``num_classes``); recording them in the config that
+    is saved with every checkpoint lets export and evaluation rebuild the same model without the data.
+    Explicit ``model.kwargs`` win over derived values.
+    """
+    cfg.name = cfg.name or default
+    cfg.kwargs = {**derived, **cfg.kwargs}
+    return build_model(cfg.name, **cfg.kwargs)

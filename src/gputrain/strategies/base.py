@@ -58,7 +58,7 @@ class Strategy(ABC):
 
     def eval_module(self, module: nn.Module) -> nn.Module:
         """The module to run evaluation with; it must not issue collectives, since shards differ in length."""
-        return self.unwrap(module)
+        return module
 
     def model_state_dict(self, module: nn.Module) -> dict[str, torch.Tensor]:
         """Weights with plain keys (never ``module.``), as saved in checkpoints."""

@@ -36,6 +36,11 @@ class DDP(Strategy):
             static_graph=self.static_graph,
         )
 
+    def eval_module(self, module: nn.Module) -> nn.Module:
+        # DDP's forward may broadcast buffers; ranks run different numbers of eval batches, so
+        # evaluate the replica itself and keep collectives out of the loop.
+        return self.unwrap(module)
+
     @contextlib.contextmanager
     def backward_sync(self, module: nn.Module, enabled: bool) -> Iterator[None]:
         # Toggling require_backward_grad_sync (what no_sync() does inside) rather than entering

@@ -41,7 +41,8 @@ def check_batch_covers_devices(batch_size: int, device_ids: Sequence[torch.devic
     if batch_size < len(device_ids):
         raise ValueError(
             f"batch size {batch_size} is smaller than the {len(device_ids)} devices in device_ids; "
-            f"use a batch size of at least {len(device_ids)} (ideally a multiple of it), or fewer devices"
+            f"use a batch size of at least {len(device_ids)} (ideally a multiple of it), or fewer devices; "
+            "if only the last batch of the epoch is short, set trainer.drop_last=true"
         )
 
 

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from gputrain.config import RunConfig
 from gputrain.data.imagefolder import ImageFiles, list_images
 from gputrain.data.images import seeded_split
-from gputrain.models import build_model
+from gputrain.models import build_configured_model
 from gputrain.tasks.base import Task
 from gputrain.tasks.spec import TaskSpec
 
@@ -33,7 +33,7 @@ def build(cfg: RunConfig) -> TaskSpec:
         train_idx, val_idx = seeded_split(len(files), cfg.data.val_fraction, cfg.data.split_seed)
         train_files, val_files = [files[i] for i in train_idx], [files[i] for i in val_idx]
     size = cfg.data.image_size
-    model = build_model(cfg.model.name or "conv_autoencoder", **cfg.model.kwargs)
+    model = build_configured_model(cfg.model, "conv_autoencoder")
     return TaskSpec(
         task=ReconstructionTask(), model=model, train_data=ImageFiles(train_files, size),
         val_data=ImageFiles(val_files, size) if val_files else None,

@@ -24,9 +24,6 @@ class Task:
     def __init__(self, criterion: Callable[..., torch.Tensor] | None = None) -> None:
         self.criterion = criterion
 
-    def build_model(self) -> nn.Module:
-        raise NotImplementedError(f"{type(self).__name__} builds no model; pass one to Trainer.fit")
-
     def collate_fn(self) -> Callable[[list[Any]], Any] | None:
         """The DataLoader collate function; None means torch's default."""
         return None

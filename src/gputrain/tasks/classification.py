@@ -9,7 +9,7 @@ from gputrain.config import RunConfig
 from gputrain.data.images import normalize_transform
 from gputrain.metrics.base import Evaluator
 from gputrain.metrics.classification import ClassificationEvaluator
-from gputrain.models import build_model
+from gputrain.models import build_configured_model
 from gputrain.tasks.base import Task
 from gputrain.tasks.spec import TaskSpec
 
@@ -59,7 +59,6 @@ def build(cfg: RunConfig) -> TaskSpec:
     num_classes = cfg.data.num_classes or found
     if num_classes != found:
         raise ValueError(f"data.num_classes={num_classes} but {cfg.data.root} has {found} classes; set it to {found}")
-    kwargs = {"num_classes": num_classes, **cfg.model.kwargs}
-    model = build_model(cfg.model.name or "resnet18", **kwargs)
+    model = build_configured_model(cfg.model, "resnet18", num_classes=num_classes)
     return TaskSpec(task=ClassificationTask(num_classes), model=model, train_data=train, val_data=val,
                     example_input=val[0][0].unsqueeze(0))

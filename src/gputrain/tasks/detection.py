@@ -13,7 +13,7 @@ from gputrain.config import RunConfig
 from gputrain.data.coco import COCODetection, detection_collate, split_coco
 from gputrain.metrics.base import Evaluator
 from gputrain.metrics.detection import CocoEvaluator
-from gputrain.models import build_model
+from gputrain.models import build_configured_model
 from gputrain.tasks.base import Task
 from gputrain.tasks.spec import TaskSpec
 
@@ -73,6 +73,6 @@ def build(cfg: RunConfig) -> TaskSpec:
     if cfg.data.num_classes and cfg.data.num_classes != num_classes:
         raise ValueError(f"data.num_classes={cfg.data.num_classes} but {train_json} has {num_classes - 1} categories "
                          f"(+1 background = {num_classes}); set data.num_classes={num_classes} or 0")
-    model = build_model(cfg.model.name or "maskrcnn_resnet50_fpn", **{"num_classes": num_classes, **cfg.model.kwargs})
+    model = build_configured_model(cfg.model, "maskrcnn_resnet50_fpn", num_classes=num_classes)
     return TaskSpec(task=DetectionTask(val_json, train.label_to_category), model=model, train_data=train,
                     val_data=val)

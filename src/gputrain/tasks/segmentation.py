@@ -9,7 +9,7 @@ from gputrain.config import RunConfig
 from gputrain.data.ade20k import ADE20K, IGNORE_INDEX, segmentation_transform
 from gputrain.metrics.base import Evaluator
 from gputrain.metrics.segmentation import SegmentationEvaluator
-from gputrain.models import build_model
+from gputrain.models import build_configured_model
 from gputrain.tasks.base import Task
 from gputrain.tasks.spec import TaskSpec
 
@@ -35,6 +35,6 @@ def build(cfg: RunConfig) -> TaskSpec:
                    transform=segmentation_transform(crop, train=cfg.data.augment))
     val = ADE20K(cfg.data.val_root or cfg.data.root, split="validation", num_classes=num_classes,
                  transform=segmentation_transform(crop, train=False))
-    model = build_model(cfg.model.name or "deeplabv3plus", **{"num_classes": num_classes, **cfg.model.kwargs})
+    model = build_configured_model(cfg.model, "deeplabv3plus", num_classes=num_classes)
     return TaskSpec(task=SegmentationTask(num_classes), model=model, train_data=train, val_data=val,
                     example_input=val[0][0].unsqueeze(0))

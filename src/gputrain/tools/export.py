@@ -16,8 +16,12 @@ def model_from_checkpoint(path: str | Path) -> tuple[torch.nn.Module, RunConfig]
     """Rebuild the model a checkpoint was trained with (from its saved config) and load its weights."""
     state = load_checkpoint(path)
     cfg = config_from_dict(state.get("config", {}))
-    name = cfg.model.name or {"autoencoder": "conv_autoencoder"}.get(cfg.task, "")
-    model = build_model(name, **cfg.model.kwargs)
+    if cfg.task == "detection":
+        raise ValueError(
+            f"{path} is a detection model; `gputrain export onnx` exports models that map one image batch to one "
+            "tensor. See docs/export.md for exporting Mask R-CNN with torch.onnx.export(dynamo=False)"
+        )
+    model = build_model(cfg.model.name, **cfg.model.kwargs)  # the config saved with the checkpoint is resolved
     model.load_state_dict(state["model"])
     return model.eval(), cfg
 

@@ -18,8 +18,8 @@ def make_dataset(kind: str, out: str | Path, *, size: int = 0, count: int = 0, s
     if kind == "cifar10":
         from gputrain.data.cifar10 import make_cifar10
 
-        per_class = max((count or 1200) // 12, 1)  # 5:1 train:test, as in CIFAR-10
-        return make_cifar10(out, train_per_class=per_class * 5 // 6 * 6 // 5 or 1, test_per_class=max(per_class // 5, 1),
+        total = count or 1200  # split 5:1 train:test over 10 classes, as in CIFAR-10
+        return make_cifar10(out, train_per_class=max(total * 5 // 60, 1), test_per_class=max(total // 60, 1),
                             seed=seed)
     if kind == "ade20k":
         from gputrain.data.ade20k import make_ade20k

@@ -88,6 +88,13 @@ def plot(rows: list[ScaleRow], path: Path) -> None:
 
 def scale_bench(recipe: str, *, devices: list[int], batch_sizes: list[int], out: str | Path,
                 overrides: list[str], accelerator: str = "auto", epochs: int = 2) -> list[ScaleRow]:
+    from gputrain.config import load_config
+
+    if load_config(recipe, overrides).trainer.strategy == "dp" and any(d > 1 for d in devices):
+        raise ValueError(
+            f"recipe {recipe} uses strategy dp (one process driving several GPUs), so --devices does not change it; "
+            "scale it with trainer.strategy=ddp, or vary trainer.dp_device_ids in separate runs"
+        )
     out = Path(out)
     rows: list[ScaleRow] = []
     for d in devices:
