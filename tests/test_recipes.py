@@ -308,6 +308,7 @@ def test_ade20k_eval_is_exact_on_1_and_2_processes(ade20k, tmp_path):
     assert one["val/pixels"] == two["val/pixels"] > 0
     assert one["val/mIoU"] == two["val/mIoU"]
     assert one["val/pixel_acc"] == two["val/pixel_acc"]
+    assert one["val/loss"] == pytest.approx(two["val/loss"], rel=1e-6)  # pixel-weighted: independent of batching
     assert one["val/mIoU"] == records(ade20k.run)[1][-1]["val/mIoU"]
 
 

@@ -89,7 +89,9 @@ class SegmentationEvaluator(Evaluator):
         cm = counts.reshape(n, n)
         self.confusion = cm if self.confusion is None else self.confusion + cm
         self.images += len(targets)
-        self.loss.update(outputs, targets, loss, batch_size)
+        # The batch loss is a mean over its non-ignored pixels; weighting it by that count makes the
+        # set's loss independent of how images fall into batches and ranks.
+        self.loss.update(outputs, targets, loss, int(keep.sum()))
 
     def compute(self, strategy: Strategy, out_dir: Path | None = None) -> dict[str, float]:
         """All-reduce the confusion matrix and derive the metrics (collective: call on every rank)."""
