@@ -14,7 +14,8 @@ import torch
 from pycocotools import mask as mask_utils
 from torchvision.io import write_jpeg
 
-from gputrain.data.coco import COCODetection, detection_collate, make_coco, split_coco
+from gputrain.data.coco import COCODetection, detection_collate, split_coco
+from gputrain.data.coco_sample import make_coco
 from gputrain.data.images import DataError
 
 pytestmark = [

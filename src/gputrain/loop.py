@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import random
 import time
 import warnings
 from pathlib import Path
@@ -27,55 +26,12 @@ from gputrain.hooks.base import Hook
 from gputrain.hooks.checkpoint import CheckpointHook
 from gputrain.hooks.logging import LoggingHook
 from gputrain.hooks.progress import ProgressHook
+from gputrain.loop_state import LossWindow, TrainState, seed_everything
 from gputrain.optim import build_optimizer, build_scheduler
 from gputrain.precision import build_precision
 from gputrain.strategies import build_strategy
 from gputrain.strategies.base import move_to_device
 from gputrain.tasks.base import Task
-
-
-@dataclasses.dataclass
-class TrainState:
-    """Where the run is; saved in checkpoints."""
-
-    epoch: int = 0
-    """Epochs completed."""
-    global_step: int = 0
-    """Optimizer steps taken."""
-    samples_seen: int = 0
-    """Training samples consumed, over all ranks."""
-
-
-def seed_everything(seed: int) -> None:
-    """Seed torch and Python; data order does not depend on these (the samplers own it)."""
-    torch.manual_seed(seed)
-    random.seed(seed)
-
-
-class _LossWindow:
-    """Sample-weighted training loss: a device-side sum since the last flush, and host totals for the epoch."""
-
-    def __init__(self, strategy: Any) -> None:
-        self.strategy = strategy
-        self.loss_sum = torch.zeros((), dtype=torch.float32, device=strategy.root_device)
-        self.samples = 0
-        self.epoch_loss_sum = 0.0
-        self.epoch_samples = 0.0
-
-    def add(self, loss: torch.Tensor, n: int) -> None:
-        self.loss_sum.add_(loss.detach().float(), alpha=n)
-        self.samples += n
-
-    def flush(self) -> float:
-        """All-reduce the window (a collective: every rank calls it at the same step); returns its mean loss."""
-        both = torch.stack([self.loss_sum.double(), torch.tensor(float(self.samples), dtype=torch.float64,
-                                                                 device=self.loss_sum.device)])
-        total, n = self.strategy.all_reduce(both).tolist()
-        self.epoch_loss_sum += total
-        self.epoch_samples += n
-        self.loss_sum.zero_()
-        self.samples = 0
-        return total / n if n else float("nan")
 
 
 class Trainer:
@@ -251,7 +207,7 @@ class Trainer:
         self.train_loader.sampler.set_epoch(self.state.epoch)  # the framework does it, never the user
         # The loss sum stays on the device and costs one kernel per step (no host sync); it is
         # all-reduced and folded into host totals only on logging steps and at the end of the epoch.
-        window = _LossWindow(self.strategy)
+        window = LossWindow(self.strategy)
         n_micro = len(self.train_loader)
         steps_done = 0
         start = time.perf_counter()

@@ -27,7 +27,7 @@ def make_dataset(kind: str, out: str | Path, *, size: int = 0, count: int = 0, s
         n = count or 120
         return make_ade20k(out, num_classes=8, train=n - n // 5, val=n // 5, size=size or 64, seed=seed)
     if kind == "coco":
-        from gputrain.data.coco import make_coco
+        from gputrain.data.coco_sample import make_coco
 
         return make_coco(out, num_images=count or 60, size=size or 96, seed=seed)
     raise ValueError(f"unknown data kind {kind!r}; choose imagefolder, classfolder, cifar10, ade20k or coco")

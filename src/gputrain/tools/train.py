@@ -6,7 +6,8 @@ from typing import Any
 
 from gputrain.config import RunConfig
 from gputrain.dist import init_distributed, teardown
-from gputrain.loop import Trainer, seed_everything
+from gputrain.loop import Trainer
+from gputrain.loop_state import seed_everything
 from gputrain.tasks import build_task
 
 
