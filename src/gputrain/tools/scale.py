@@ -77,6 +77,7 @@ def plot(rows: list[ScaleRow], path: Path) -> None:
         ax.plot([r.devices for r in sel], [r.images_per_s for r in sel], "o-", label=f"batch {b}/device")
         if sel and sel[0].devices == 1:
             ax.plot([r.devices for r in sel], [sel[0].images_per_s * r.devices for r in sel], ":", color="grey")
+    ax.set_xticks(sorted({r.devices for r in rows}))
     ax.set_xlabel("devices")
     ax.set_ylabel("training images/s")
     ax.set_title("scaling (dotted: linear)")
