@@ -17,7 +17,7 @@ CUDA0 = torch.device("cuda", 0)
 
 def test_single_gpu_training_matches_cpu(tmp_path, monkeypatch):
     cpu = _train(str(tmp_path / "cpu"), "single", 1, 16)
-    torch.backends.cudnn.deterministic = True
+    monkeypatch.setattr(torch.backends.cudnn, "deterministic", True)
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     from gputrain import Trainer

@@ -33,15 +33,21 @@ class MeanLoss(Evaluator):
     """``loss``: the sample-weighted mean of batch losses over the whole set."""
 
     def __init__(self) -> None:
-        self.stats = torch.zeros(2, dtype=torch.float64)  # [sum of loss * n, n]
+        self.loss_sum: torch.Tensor | None = None  # on the loss's device: no host sync per batch
+        self.count = 0
 
     def update(self, outputs: Any, targets: Any, loss: torch.Tensor | None, batch_size: int) -> None:
-        if loss is not None:
-            self.stats[0] += float(loss) * batch_size
-            self.stats[1] += batch_size
+        if loss is None:
+            return
+        weighted = loss.detach().double() * batch_size
+        self.loss_sum = weighted if self.loss_sum is None else self.loss_sum + weighted
+        self.count += batch_size
 
     def reduced(self, strategy: Strategy) -> torch.Tensor:
-        stats = self.stats.to(strategy.root_device)
+        """``[sum of loss * n, n]`` over all ranks (a rank with an empty shard sends zeros)."""
+        total = self.loss_sum.to(strategy.root_device) if self.loss_sum is not None else \
+            torch.zeros((), dtype=torch.float64, device=strategy.root_device)
+        stats = torch.stack([total, torch.tensor(float(self.count), dtype=torch.float64, device=total.device)])
         return strategy.all_reduce(stats).cpu()
 
     def compute(self, strategy: Strategy, out_dir: Path | None = None) -> dict[str, float]:
