@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
 torch.set_num_threads(1)
+
+# Shared helpers (multiproc.py, ...) live beside this file; test files in unit/, distributed/ and e2e/
+# import them by name, never from each other.
+sys.path.insert(0, str(Path(__file__).parent))
 
 
 @pytest.fixture(autouse=True)

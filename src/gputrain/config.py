@@ -61,6 +61,10 @@ class OptimConfig:
     """SGD momentum (ignored by Adam)."""
     weight_decay: float = 0.0
     nesterov: bool = False
+    scale_lr: str = "none"
+    """Rescale ``lr`` for the actual global batch: none, linear (lr x G/reference) or sqrt (lr x sqrt(G/reference))."""
+    reference_batch: int = 256
+    """The global batch ``lr`` was tuned for; used only when ``scale_lr`` is linear or sqrt."""
 
 
 @dataclass(kw_only=True)
@@ -82,11 +86,33 @@ class SchedulerConfig:
 
 
 @dataclass(kw_only=True)
+class ParallelConfig:
+    """Options of the strategies that split the model (model_parallel, pipeline, fsdp)."""
+
+    stages: int = 2
+    """Stages of model_parallel (one process); pipeline uses one stage per process (``--devices``)."""
+    stage_devices: list[str] = field(default_factory=list)
+    """Devices of model_parallel's stages, e.g. [cuda:0, cuda:1]; empty: one visible GPU per stage, or cpu."""
+    micro_batches: int = 1
+    """Micro-batches each step's batch is cut into and pipelined through the stages."""
+    split_points: list[str] = field(default_factory=list)
+    """Names of the top-level blocks that start stages 2..K (e.g. [layer3]); empty: chosen by ``partition``."""
+    partition: str = "measured"
+    """How split points are chosen when none are given: measured (per-block time and memory) or params."""
+    schedule: str = "gpipe"
+    """Pipeline schedule of strategy pipeline: gpipe or 1f1b."""
+    stage_memory_gib: list[float] = field(default_factory=list)
+    """Memory cap per stage for the partitioner, in GiB; empty: no cap on CPU, the device's memory on GPUs."""
+    reshard_after_forward: bool = True
+    """fsdp: free gathered parameters after forward (less memory, one more all-gather in backward)."""
+
+
+@dataclass(kw_only=True)
 class TrainerConfig:
     """How to run: strategy, devices, precision, loop length and outputs."""
 
     strategy: str = "ddp"
-    """single, ddp or dp."""
+    """single, ddp, dp, model_parallel, pipeline or fsdp."""
     accelerator: str = "auto"
     """auto, cpu or cuda."""
     devices: int = 1
@@ -104,15 +130,28 @@ class TrainerConfig:
     """Clip the global gradient norm to this; 0 disables."""
     seed: int = 0
     drop_last: bool = False
-    """Drop the tail of the epoch that does not fill every rank (else pad it, as DistributedSampler)."""
-    out: str = "runs/latest"
+    """Drop the epoch's last, short global batch; by default it is trained as it comes (no sample twice)."""
+    out: str = ""
+    """Run folder; empty: a new dated folder under runs/, with runs/latest pointing to it."""
+    overwrite: bool = False
+    """Clear a non-empty ``out`` before training; without it (or ``resume``) a non-empty folder is refused."""
     resume: str = ""
-    """``auto`` (out/checkpoints/last.pt if present), a checkpoint path, or empty."""
+    """``auto`` (the newest valid checkpoint in out/checkpoints), a checkpoint path, or empty."""
+    timeout_s: float = 600.0
+    """Collective timeout: a rank waiting longer than this for its peers fails, naming the step."""
     log_every_n_steps: int = 10
     enable_checkpointing: bool = True
     """Write checkpoints at all; off only for throwaway runs and overhead benchmarks."""
     checkpoint_every_n_epochs: int = 1
-    """Also keep ``epoch_NNNN.pt`` every n epochs; ``last.pt`` is written every epoch. 0 keeps only last.pt."""
+    """Write ``epoch_NNNN.pt`` every n epochs; ``last.pt`` is written every epoch. 0 writes only last.pt."""
+    checkpoint_every_n_steps: int = 0
+    """Also checkpoint mid-epoch every n optimizer steps (exact resume from the middle of an epoch); 0: off."""
+    keep_last: int = 3
+    """Numbered checkpoints (epoch_/step_) kept besides last.pt and best.pt; at least 2, the newest may be mid-write."""
+    monitor: str = ""
+    """Metric that picks ``best.pt`` (e.g. val/loss, val/accuracy); empty: no best.pt."""
+    monitor_mode: str = "min"
+    """min or max: whether a smaller or larger ``monitor`` is better."""
     eval_every_n_epochs: int = 1
     loggers: list[str] = field(default_factory=lambda: ["csv"])
     """Any of csv, tensorboard, wandb (metrics.jsonl is always written)."""
@@ -154,6 +193,7 @@ class RunConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
 
 def builtin_recipes() -> list[str]:
