@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader, DistributedSampler, Sampler, TensorData
 from gputrain.dist import DistInfo, init_distributed, teardown
 from gputrain.launch import launch_all
 from gputrain.metrics.classification import ClassificationEvaluator
-from gputrain.strategies import build_strategy
+from gputrain.strategies import DDP, SingleDevice
 from gputrain.strategies.base import Strategy
 
 NUM_CLASSES = 10
@@ -69,7 +69,7 @@ def worker(samples: int, pairs: int, batch_size: int, seed: int) -> dict[str, An
     torch.set_num_threads(1)
     info: DistInfo = init_distributed("cpu")
     try:
-        strategy = build_strategy("ddp", info)
+        strategy = DDP(info)
         g = torch.Generator().manual_seed(seed)
         data = TensorDataset(
             torch.rand(samples, 3, IMAGE_SIDE, IMAGE_SIDE, generator=g),

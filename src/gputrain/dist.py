@@ -106,11 +106,19 @@ def init_distributed(accelerator: str = "auto", timeout_s: float = 600.0) -> Dis
         device = torch.device("cpu")
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_PORT", "29500")
+        timeout = datetime.timedelta(seconds=timeout_s)
+        store, rank, world_size = next(dist.rendezvous(
+            "env://", rank=layout["rank"], world_size=layout["world_size"], timeout=timeout))
+        # After an elastic restart torchrun hands the workers the same rendezvous store, which still
+        # holds the previous attempt's keys: gloo then connects to the dead attempt's ports
+        # (pytorch/pytorch#167288). A key prefix per attempt keeps each attempt's group apart.
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         dist.init_process_group(
             backend="nccl" if kind == "cuda" else "gloo",
-            rank=layout["rank"],
-            world_size=layout["world_size"],
-            timeout=datetime.timedelta(seconds=timeout_s),
+            store=dist.PrefixStore(f"gputrain/attempt{attempt}", store),
+            rank=rank,
+            world_size=world_size,
+            timeout=timeout,
             device_id=device if kind == "cuda" else None,
         )
     return DistInfo(

@@ -2,36 +2,35 @@
 
 ``Trainer.fit`` sets up (process group, strategy, precision, model, data, optimizer), then
 runs epochs of :meth:`Trainer.train_epoch` and :meth:`Trainer.evaluate`. Everything that
-differs between ways of running sits behind ``self.strategy`` and ``self.precision``.
+differs between ways of running sits behind ``self.strategy`` and ``self.precision``; which
+samples each step trains on is decided by the framework's :class:`~gputrain.data.samplers.EpochPlan`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import time
-import warnings
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
-import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from gputrain.checkpoint import load_checkpoint, rng_state, set_rng_state
 from gputrain.config import RunConfig, TrainerConfig, to_dict, to_yaml
-from gputrain.dist import init_distributed
+from gputrain.data.samplers import SeededSamples, StepBatchSampler
+from gputrain.dist import DistInfo, init_distributed
+from gputrain.errors import Interrupted
 from gputrain.hooks.base import Hook
-from gputrain.hooks.checkpoint import CheckpointHook
-from gputrain.hooks.logging import LoggingHook
-from gputrain.hooks.progress import ProgressHook
-from gputrain.loop_state import LossWindow, TrainState, seed_everything
-from gputrain.optim import build_optimizer, build_scheduler
+from gputrain.loop_state import TrainState, seed_everything
+from gputrain.optim import build_scheduler
 from gputrain.precision import build_precision
-from gputrain.strategies import build_strategy
-from gputrain.strategies.base import move_to_device
+from gputrain.resume import apply_resume_state, load_resume_state, resumed_batch_size, save_checkpoint
+from gputrain.signals import StopRequest
+from gputrain.strategies import Strategy, build_strategy
 from gputrain.tasks.base import Task
+from gputrain.train_step import evaluate_batches, run_epoch
 
 
 class Trainer:
@@ -45,7 +44,8 @@ class Trainer:
     have been started by a launcher (``gputrain train``, ``torchrun``, :func:`gputrain.launch`).
     """
 
-    def __init__(self, cfg: RunConfig | None = None, *, hooks: list[Hook] | None = None, **trainer: Any) -> None:
+    def __init__(self, cfg: RunConfig | None = None, *, hooks: list[Hook] | None = None,
+                 resume_command: Callable[[Path], str] | None = None, **trainer: Any) -> None:
         cfg = cfg or RunConfig()
         known = {f.name for f in dataclasses.fields(TrainerConfig)}
         unknown = set(trainer) - known
@@ -53,120 +53,149 @@ class Trainer:
             raise TypeError(f"unknown Trainer option(s) {sorted(unknown)}; valid: {sorted(known)}")
         self.cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, **trainer))
         self.extra_hooks = hooks or []
+        self.resume_command = resume_command
         self.state = TrainState()
         self.resumed = False
+        self.checkpoints: Any = None
+        """The run's :class:`~gputrain.checkpoint.CheckpointStore`; None when checkpointing is off."""
+        self.hooks: list[Hook] = []
 
     # -- setup ---------------------------------------------------------------------------
-    def _setup_runtime(self, task: Task) -> None:
-        """Process group, strategy, precision and output folder: what training and evaluation share."""
+    def _setup_runtime(self, task: Task, *, for_training: bool) -> None:
+        """Process group, strategy, precision and run folder: what training and evaluation share."""
         t = self.cfg.trainer
-        self.dist = init_distributed(t.accelerator)
-        if t.devices > 1 and self.dist.world_size == 1 and t.strategy != "dp":
+        self.dist: DistInfo = init_distributed(t.accelerator, timeout_s=t.timeout_s)
+        self.strategy: Strategy = build_strategy(self.cfg, self.dist)
+        expected = self.strategy.processes_per_node(t.devices) * self.cfg.launch.nnodes
+        if expected > 1 and self.dist.world_size == 1:
             raise ValueError(
-                f"trainer.devices={t.devices} but this process was started alone; start it with "
-                f"`gputrain train ... --devices {t.devices}`, `torchrun --nproc-per-node {t.devices} script.py` "
+                f"trainer.devices={t.devices} needs {expected} processes but this one was started alone; start it "
+                f"with `gputrain train ... --devices {t.devices}`, `torchrun --nproc-per-node {t.devices} script.py` "
                 f"or gputrain.launch(fn, devices={t.devices})"
             )
-        options: dict[str, Any] = {}
-        if t.strategy == "ddp":
-            options = {"find_unused_parameters": t.find_unused_parameters}
-        elif t.strategy == "dp":
-            options = {"device_ids": t.dp_device_ids, "output_device": t.dp_output_device}
-        self.strategy = build_strategy(t.strategy, self.dist, **options)
         self.precision = build_precision(t.precision, self.dist.device)
         self.task = task
-        self.out = Path(t.out)
-        self.config_dict = to_dict(self.cfg)
+        self.out = self._run_folder(for_training)
+
+    def _run_folder(self, for_training: bool) -> Path:
+        """Rank 0 resolves and checks the run folder (a new dated one by default); every rank gets its path."""
+        from gputrain import run_folder
+
+        t = self.cfg.trainer
+        chosen = ""
+        if self.dist.is_main:
+            out = Path(t.out) if t.out else run_folder.default_run_dir(Path(str(self.cfg.task)).name.split(":")[-1])
+            if for_training:
+                run_folder.check_run_folder(out, resume=t.resume, overwrite=t.overwrite)
+                if t.overwrite and not t.resume:
+                    run_folder.clear_run_folder(out)
+                out.mkdir(parents=True, exist_ok=True)
+                if not t.out:
+                    run_folder.point_latest(out)
+            chosen = str(out)
+        return Path(self.strategy.broadcast_object(chosen))
 
     def _loader(self, data: Dataset, *, train: bool) -> DataLoader:
         t, workers = self.cfg.trainer, self.cfg.data.num_workers
-        sampler = (self.strategy.train_sampler(len(data), seed=t.seed, drop_last=t.drop_last) if train
-                   else self.strategy.eval_sampler(len(data)))
-        return DataLoader(
-            data, batch_size=t.batch_size if train else (t.eval_batch_size or t.batch_size), sampler=sampler,
-            collate_fn=self.task.collate_fn(), num_workers=workers, pin_memory=self.dist.device.type == "cuda",
-            persistent_workers=workers > 0, drop_last=train and t.drop_last,
-        )
+        common: dict[str, Any] = dict(collate_fn=self.task.collate_fn(), num_workers=workers,
+                                      pin_memory=self.dist.device.type == "cuda", persistent_workers=workers > 0)
+        if not train:
+            return DataLoader(data, batch_size=t.eval_batch_size or t.batch_size,
+                              sampler=self.strategy.eval_sampler(len(data)), **common)  # type: ignore[arg-type]
+        self.batch_sampler = StepBatchSampler(
+            len(data), dp_rank=self.strategy.dp_rank, dp_size=self.strategy.dp_size,  # type: ignore[arg-type]
+            batch_size=t.batch_size, accumulate=t.accumulate_grad_batches, seed=t.seed, drop_last=t.drop_last)
+        return DataLoader(SeededSamples(data, t.seed), batch_sampler=self.batch_sampler, **common)
+
+    def _check_same_length(self, train_data: Dataset) -> None:
+        """Every rank must plan the same steps: fail fast, with the counts, if datasets differ by rank."""
+        lengths = self.strategy.all_gather_objects(len(train_data))  # type: ignore[arg-type]
+        if len(set(lengths)) > 1:
+            raise ValueError(
+                f"the training set has a different length on each rank ({dict(enumerate(lengths))}); every rank "
+                "must read the same dataset (the framework shards it), e.g. the same data.root on shared storage"
+            )
 
     def _setup(self, model: nn.Module, task: Task, train_data: Dataset, val_data: Dataset | None) -> None:
         t = self.cfg.trainer
-        self._setup_runtime(task)
+        self._setup_runtime(task, for_training=True)
         seed_everything(t.seed)
+        self._check_same_length(train_data)
+        resume_state = load_resume_state(self, t.resume) if t.resume else None
+        if resume_state is not None:
+            batch = resumed_batch_size(resume_state.get("global_batch", 0) or self.planned_global_batch,
+                                       self.strategy.dp_size, t.accumulate_grad_batches, t.batch_size,
+                                       resume_state["_path"])
+            if batch != t.batch_size and self.dist.is_main:
+                print(f"gputrain: {resume_state['_path']} was trained on {resume_state.get('world_size')} "
+                      f"process(es); batch_size {t.batch_size} -> {batch} per device keeps its global batch "
+                      f"{resume_state['global_batch']}", flush=True)
+            self.cfg = dataclasses.replace(self.cfg, trainer=dataclasses.replace(t, batch_size=batch))
+            t = self.cfg.trainer
         if t.sync_batchnorm and self.dist.world_size > 1:
             from gputrain.nn.sync_batchnorm import convert_sync_batchnorm
 
             model = convert_sync_batchnorm(model, self.dist.device.type)
         self.strategy.check_batch(t.batch_size)
         self.module = self.strategy.setup_module(model)
-        self.optimizer = build_optimizer(self.strategy.unwrap(self.module), self.cfg.optim)
-        # Weights were initialised from the shared seed; from here on (dropout, augmentation in the main
-        # process) each rank draws its own stream, else all ranks would augment their samples alike.
+        self.optimizer = self.strategy.setup_optimizer(self.module, self._scaled_optim())
+        # Weights were initialised from the shared seed; from here on (dropout) each rank draws its own
+        # stream. Augmentation does not use it: SeededSamples seeds each sample from (seed, epoch, index).
         seed_everything(t.seed + 100_003 * self.dist.rank)
         self.train_loader = self._loader(train_data, train=True)
         self.val_loader = None if val_data is None else self._loader(val_data, train=False)
-        micro = len(self.train_loader)
-        self.steps_per_epoch = math.ceil(micro / t.accumulate_grad_batches)
+        self.steps_per_epoch = self.batch_sampler.plan.num_steps
         if t.max_steps_per_epoch:
             self.steps_per_epoch = min(self.steps_per_epoch, t.max_steps_per_epoch)
-        self.scheduler = build_scheduler(
-            self.optimizer, self.cfg.scheduler, total_steps=self.steps_per_epoch * t.epochs,
-            steps_per_epoch=self.steps_per_epoch,
-        )
-        self.hooks: list[Hook] = [ProgressHook(bar=t.progress_bar), LoggingHook(list(t.loggers))]
+        self.scheduler = build_scheduler(self.optimizer, self.cfg.scheduler, total_steps=self.steps_per_epoch * t.epochs,
+                                         steps_per_epoch=self.steps_per_epoch)
         if t.enable_checkpointing:
-            self.hooks.append(CheckpointHook(self.out / "checkpoints", t.checkpoint_every_n_epochs))
-        self.hooks += self.extra_hooks
-        if t.resume:
-            self._resume(t.resume)
+            from gputrain.checkpoint import CheckpointStore, remove_stale_temporaries
+
+            self.checkpoints = CheckpointStore(self.out / "checkpoints", keep_last=t.keep_last, monitor=t.monitor,
+                                               monitor_mode=t.monitor_mode)
+            if self.dist.is_main:
+                remove_stale_temporaries(self.out / "checkpoints")
+        self.hooks = default_hooks(self.cfg) + self.extra_hooks
+        if resume_state is not None:
+            apply_resume_state(self, resume_state)
+            self.resumed = True
+            if self.dist.is_main:
+                print(f"gputrain: resumed from {resume_state['_path']} at epoch {self.state.epoch + 1} "
+                      f"step {self.state.global_step}", flush=True)
+        self.config_dict = to_dict(self.cfg)
+
+    @property
+    def target_device(self) -> Any:
+        """Where targets go: the input device when the model consumes them, else where outputs land."""
+        return self.strategy.root_device if self.task.targets_to_model else self.strategy.output_device
+
+    @property
+    def planned_global_batch(self) -> int:
+        t = self.cfg.trainer
+        return t.batch_size * self.strategy.dp_size * t.accumulate_grad_batches
+
+    @property
+    def global_batch(self) -> int:
+        return self.planned_global_batch
+
+    def _scaled_optim(self) -> Any:
+        """The optimizer config with ``lr`` rescaled for the global batch when optim.scale_lr asks for it."""
+        from gputrain.optim import scaled_lr
+
+        o = self.cfg.optim
+        lr = scaled_lr(o.lr, self.planned_global_batch, o.reference_batch, o.scale_lr)
+        self.lr_note = f" lr={lr:g}" + (f" ({o.scale_lr} from {o.lr:g} at batch {o.reference_batch})"
+                                         if o.scale_lr != "none" else "")
+        return dataclasses.replace(o, lr=lr)
+
+    def _announce(self) -> None:
         if self.dist.is_main:
-            self.out.mkdir(parents=True, exist_ok=True)
+            t = self.cfg.trainer
             (self.out / "config.yaml").write_text(to_yaml(self.cfg))
-            global_batch = t.batch_size * self.dist.world_size * t.accumulate_grad_batches
-            print(
-                f"gputrain: strategy={self.strategy.name} world_size={self.dist.world_size} device={self.dist.device} "
-                f"precision={self.precision.name} batch_size={t.batch_size}/process global_batch={global_batch}",
-                flush=True,
-            )
-
-    def _resume(self, where: str) -> None:
-        path = self.out / "checkpoints" / "last.pt" if where == "auto" else Path(where)
-        if where == "auto" and not path.is_file():
-            return  # nothing to resume yet: start fresh
-        state = load_checkpoint(path, map_location=self.dist.device)
-        saved_optim = state.get("config", {}).get("optim", {}).get("name", self.cfg.optim.name)
-        if saved_optim != self.cfg.optim.name:
-            raise ValueError(
-                f"checkpoint {path} was trained with optim.name={saved_optim} but this run sets "
-                f"optim.name={self.cfg.optim.name}; resume with the same optimizer, or load only the weights "
-                f"(model.kwargs.weights_path) to start a new run"
-            )
-        self.strategy.load_model_state_dict(self.module, state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.precision.load_state_dict(state.get("precision", {}))
-        self.state = TrainState(**state["state"])
-        rng = state.get("rng", {})
-        if str(self.dist.rank) in rng:
-            set_rng_state(rng[str(self.dist.rank)])
-        self.resumed = True
-
-    def checkpoint_state(self) -> dict[str, Any]:
-        """Everything needed to continue this run exactly; plain containers and tensors only."""
-        return {
-            "model": self.strategy.model_state_dict(self.module),
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
-            "precision": self.precision.state_dict(),
-            "state": dataclasses.asdict(self.state),
-            "rng": self._rng_states(),
-            "world_size": self.dist.world_size,
-            "config": self.config_dict,
-        }
-
-    def _rng_states(self) -> dict[str, Any]:
-        """Every rank's generator states (a collective), keyed by rank, so each rank resumes its own."""
-        gathered = self.strategy.gather_objects(rng_state())
-        return {str(rank): state for rank, state in enumerate(gathered)} if gathered else {}
+            print(f"gputrain: {self.strategy.describe()} device={self.dist.device} precision={self.precision.name} "
+                  f"batch_size={t.batch_size}/process global_batch={self.global_batch}{self.lr_note} "
+                  f"out={self.out}", flush=True)
 
     # -- the loop ------------------------------------------------------------------------
     def fit(
@@ -174,131 +203,89 @@ class Trainer:
         loss: Any = None, task: Task | None = None,
     ) -> dict[str, Any]:
         """Train; returns the summary (also written to ``out/summary.json``)."""
+        if task is None:
+            self._describe_python_run(model)
         self._setup(model, task or Task(loss), train_data, val_data)
         t = self.cfg.trainer
-        try:
-            self._call("before_fit")
-            start = time.perf_counter()
-            train_time, train_samples = 0.0, 0.0
-            metrics: dict[str, float] = {}
-            while self.state.epoch < t.epochs:
-                self._call("before_epoch")
-                metrics = self.train_epoch()
-                train_time += metrics["time/train_s"]
-                train_samples += metrics["train/samples"]
-                self.state.epoch += 1
-                if self.val_loader is not None and self.state.epoch % max(t.eval_every_n_epochs, 1) == 0:
-                    eval_start = time.perf_counter()
-                    metrics |= {f"val/{k}": v for k, v in self.evaluate().items()}
-                    metrics["time/val_s"] = time.perf_counter() - eval_start
-                metrics["time/epoch_s"] = metrics["time/train_s"] + metrics.get("time/val_s", 0.0)
-                self._call("after_epoch", metrics)
-            summary = self._summary(metrics, time.perf_counter() - start, train_time, train_samples)
-            self._call("after_fit", summary)
-            return summary
-        except BaseException as err:
-            self._call("on_exception", err)
-            raise
+        if self.resumed and self.state.epoch >= t.epochs:
+            return self._already_finished()
+        self._announce()
+        with StopRequest(self.dist.world_size) as self.stop:
+            try:
+                self._call("before_fit")
+                return self._fit_epochs()
+            except BaseException as err:
+                self._call("on_exception", err)
+                raise
+
+    def _fit_epochs(self) -> dict[str, Any]:
+        t = self.cfg.trainer
+        start = time.perf_counter()
+        train_time, train_samples = 0.0, 0.0
+        metrics: dict[str, float] = {}
+        while self.state.epoch < t.epochs:
+            self._call("before_epoch")
+            metrics = self.train_epoch()
+            train_time += metrics["time/train_s"]
+            train_samples += metrics["train/samples"]
+            self.state.epoch += 1
+            self.state.step_in_epoch = 0
+            if self.val_loader is not None and self.state.epoch % max(t.eval_every_n_epochs, 1) == 0:
+                eval_start = time.perf_counter()
+                metrics |= {f"val/{k}": v for k, v in self.evaluate().items()}
+                metrics["time/val_s"] = time.perf_counter() - eval_start
+            metrics["time/epoch_s"] = metrics["time/train_s"] + metrics.get("time/val_s", 0.0)
+            self._call("after_epoch", metrics)
+        summary = self._summary(metrics, time.perf_counter() - start, train_time, train_samples)
+        self._call("after_fit", summary)
+        return summary
 
     def train_epoch(self) -> dict[str, float]:
+        """One epoch (or its rest, after a mid-epoch resume); see :func:`gputrain.train_step.run_epoch`."""
+        return run_epoch(self)
+
+    def after_optimizer_step(self) -> None:
+        """Called by the epoch after each step: stop on an agreed signal, checkpoint every n steps."""
         t = self.cfg.trainer
-        module, accum = self.module, t.accumulate_grad_batches
-        module.train()
-        self.train_loader.sampler.set_epoch(self.state.epoch)  # the framework does it, never the user
-        # The loss sum stays on the device and costs one kernel per step (no host sync); it is
-        # all-reduced and folded into host totals only on logging steps and at the end of the epoch.
-        window = LossWindow(self.strategy)
-        n_micro = len(self.train_loader)
-        steps_done = 0
-        start = time.perf_counter()
-        for i, batch in enumerate(self.train_loader):
-            group_start = i - i % accum
-            group_len = min(accum, n_micro - group_start)  # the epoch's last group may be short
-            sync = i - group_start == group_len - 1
-            loss, n = self.run_micro_batch(batch, sync=sync, scale=1.0 / group_len)
-            window.add(loss, n)
-            if not sync:
-                continue
-            self.optimizer_step()
-            steps_done += 1
-            logs = None
-            if t.log_every_n_steps and self.state.global_step % t.log_every_n_steps == 0:
-                logs = {"train/loss": window.flush(), "lr": self.optimizer.param_groups[0]["lr"]}
-            self._call("after_step", logs)
-            if steps_done >= self.steps_per_epoch:
-                break
-        window.flush()
-        train_s = time.perf_counter() - start
-        return {
-            "train/loss": window.epoch_loss_sum / max(window.epoch_samples, 1),
-            "train/samples": window.epoch_samples,
-            "train/steps": steps_done,
-            "time/train_s": train_s,
-            "train/images_per_s": window.epoch_samples / train_s if train_s > 0 else 0.0,
-        }
+        signum = self.stop.agreed()
+        if signum:
+            name = f"step_{self.state.global_step:06d}"
+            saved = save_checkpoint(self, name) if self.checkpoints is not None else None
+            where = f"checkpoint {saved}" if saved else "no checkpoint (trainer.enable_checkpointing=false)"
+            message = (f"interrupted at epoch {self.state.epoch + 1} step {self.state.global_step} ({where}); "
+                       f"continue with: {self._resume_command()}")
+            if self.dist.is_main:
+                print(message, flush=True)
+            raise Interrupted(signum, message)
+        if t.checkpoint_every_n_steps and self.state.global_step % t.checkpoint_every_n_steps == 0 \
+                and self.state.step_in_epoch < self.steps_per_epoch:
+            save_checkpoint(self, f"step_{self.state.global_step:06d}")
 
-    def run_micro_batch(self, batch: Any, *, sync: bool, scale: float) -> tuple[torch.Tensor, int]:
-        """Forward and backward of one micro-batch; gradients are all-reduced only when ``sync``."""
-        inputs, targets = self.task.split_batch(batch)
-        n = self.task.batch_size(inputs)
-        self.strategy.check_batch(n)
-        inputs = move_to_device(inputs, self.strategy.root_device, non_blocking=True)
-        targets = move_to_device(targets, self._target_device, non_blocking=True)
-        with self.strategy.backward_sync(self.module, sync):
-            with self.precision.forward_context():
-                outputs = self.task.forward(self.module, inputs, targets)
-                if not self.task.targets_to_model:
-                    self.strategy.check_loss_inputs(outputs, targets)
-                loss = self.task.loss(outputs, targets)
-            self.precision.backward(loss if scale == 1.0 else loss * scale)
-        self.state.samples_seen += n * self.dist.world_size
-        return loss, n
+    def _resume_command(self) -> str:
+        if self.resume_command is not None:
+            return self.resume_command(self.out)
+        return f"Trainer(..., resume='auto', out='{self.out}').fit(...)"
 
-    @property
-    def _target_device(self) -> torch.device:
-        return self.strategy.root_device if self.task.targets_to_model else self.strategy.output_device
-
-    def optimizer_step(self) -> None:
-        clip = self.cfg.trainer.grad_clip_norm
-        if clip > 0:
-            self.precision.unscale(self.optimizer)
-            torch.nn.utils.clip_grad_norm_(self.strategy.unwrap(self.module).parameters(), clip)
-        stepped = self.precision.optimizer_step(self.optimizer)
-        self.optimizer.zero_grad(set_to_none=True)
-        if stepped:
-            self.scheduler.step()
-        else:
-            with warnings.catch_warnings():  # GradScaler skipped a step on inf/NaN: the schedule still counts it
-                warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()` before")
-                self.scheduler.step()
-        self.state.global_step += 1
-
-    @torch.no_grad()
     def evaluate(self, out_dir: Path | None = None) -> dict[str, float]:
         """Exact evaluation over the validation set: every sample once, metrics from reduced statistics."""
         assert self.val_loader is not None, "no validation data was given"
-        model = self.strategy.eval_module(self.module)
-        model.eval()
-        evaluator = self.task.evaluator()
-        for batch in self.val_loader:
-            inputs, targets = self.task.split_batch(batch)
-            inputs = move_to_device(inputs, self.strategy.root_device, non_blocking=True)
-            targets = move_to_device(targets, self._target_device, non_blocking=True)
-            with self.precision.forward_context():
-                outputs, loss = self.task.evaluate_batch(model, inputs, targets)
-            evaluator.update(outputs, targets, loss, self.task.batch_size(inputs))
+        self.strategy.prepare_eval(self.module)
+        metrics = evaluate_batches(self)
         self.module.train()
-        return evaluator.compute(self.strategy, out_dir or self.out)
+        return metrics
 
     def validate(self, model: nn.Module, val_data: Dataset, *, task: Task) -> dict[str, float]:
         """Evaluate ``model`` alone (no training) on any device count; writes ``out/eval.json`` on rank 0."""
-        self._setup_runtime(task)
+        from gputrain.hooks.progress import ProgressHook
+
+        self._setup_runtime(task, for_training=False)
+        self.hooks = [ProgressHook(bar=False), *self.extra_hooks]
         self.module = self.strategy.setup_module(model)
         self.val_loader = self._loader(val_data, train=False)
         if self.dist.is_main:
             self.out.mkdir(parents=True, exist_ok=True)
         start = time.perf_counter()
-        metrics = {f"val/{k}": v for k, v in self.evaluate().items()}
+        metrics = {f"val/{k}": v for k, v in evaluate_batches(self).items()}
         metrics["time/val_s"] = time.perf_counter() - start
         metrics["world_size"] = self.dist.world_size
         if self.dist.is_main:
@@ -310,6 +297,19 @@ class Trainer:
         for hook in self.hooks:
             getattr(hook, event)(self, *args)
 
+    def _describe_python_run(self, model: nn.Module) -> None:
+        """A run from the Python API saves a config that says so, not the defaults of a recipe it never used."""
+        cls = type(model)
+        self.cfg = dataclasses.replace(self.cfg, task="custom", model=dataclasses.replace(
+            self.cfg.model, name=f"{cls.__module__}:{cls.__qualname__}"), data=dataclasses.replace(self.cfg.data, root=""))
+
+    def _already_finished(self) -> dict[str, Any]:
+        path = self.out / "summary.json"
+        if self.dist.is_main:
+            print(f"gputrain: {self.out} is finished (epoch {self.state.epoch} of {self.cfg.trainer.epochs}); nothing "
+                  "was changed. To train longer, resume with a larger --epochs", flush=True)
+        return json.loads(path.read_text()) if path.is_file() else {"epochs": self.state.epoch}
+
     def _summary(self, metrics: dict[str, float], wall_s: float, train_s: float, samples: float) -> dict[str, Any]:
         t = self.cfg.trainer
         val_iters = len(self.val_loader) if self.val_loader is not None else 0
@@ -320,7 +320,7 @@ class Trainer:
             "precision": self.precision.name,
             "device": str(self.dist.device),
             "batch_size_per_device": t.batch_size,
-            "global_batch": t.batch_size * self.dist.world_size * t.accumulate_grad_batches,
+            "global_batch": self.global_batch,
             "iters_per_epoch": {"train": len(self.train_loader), "val": val_iters,
                                 "total": len(self.train_loader) + val_iters},
             "epochs": self.state.epoch,
@@ -331,5 +331,20 @@ class Trainer:
             "images_per_s": samples / train_s if train_s > 0 else 0.0,
         }
         if self.dist.is_main:
-            (self.out / "summary.json").write_text(json.dumps(summary, indent=2))
+            from gputrain.hooks.logging import strict_json
+
+            (self.out / "summary.json").write_text(strict_json(summary, indent=2))
         return summary
+
+
+def default_hooks(cfg: RunConfig) -> list[Hook]:
+    """Progress, logging, and epoch checkpoints when enabled: the hooks every run gets, built outside the loop."""
+    from gputrain.hooks.checkpoint import CheckpointHook
+    from gputrain.hooks.logging import LoggingHook
+    from gputrain.hooks.progress import ProgressHook
+
+    t = cfg.trainer
+    hooks: list[Hook] = [ProgressHook(bar=t.progress_bar), LoggingHook(list(t.loggers))]
+    if t.enable_checkpointing:
+        hooks.append(CheckpointHook(t.checkpoint_every_n_epochs))
+    return hooks

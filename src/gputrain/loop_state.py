@@ -18,7 +18,9 @@ class TrainState:
     global_step: int = 0
     """Optimizer steps taken."""
     samples_seen: int = 0
-    """Training samples consumed, over all ranks."""
+    """Training samples consumed, over all ranks (each sample of an epoch once)."""
+    step_in_epoch: int = 0
+    """Optimizer steps done in the current epoch: the cursor a mid-epoch checkpoint resumes from."""
 
 
 def seed_everything(seed: int) -> None:
@@ -37,8 +39,11 @@ class LossWindow:
         self.epoch_loss_sum = 0.0
         self.epoch_samples = 0.0
 
-    def add(self, loss: torch.Tensor, n: int) -> None:
-        self.loss_sum.add_(loss.detach().float(), alpha=n)
+    def add(self, loss: torch.Tensor | None, n: int) -> None:
+        """Add a micro-batch's mean loss over ``n`` samples; None (no loss on this rank) adds nothing."""
+        if loss is None:
+            return
+        self.loss_sum.add_(loss.detach().float().to(self.loss_sum.device), alpha=n)
         self.samples += n
 
     def flush(self) -> float:

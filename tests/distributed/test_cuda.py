@@ -7,7 +7,7 @@ import torch
 
 from gputrain.dist import DistInfo
 from gputrain.precision import build_precision
-from gputrain.strategies import build_strategy
+from gputrain.strategies import DataParallel
 from gputrain.strategies.dp import check_targets_on_output_device
 from test_parity import _Images, _max_diff, _train
 
@@ -35,7 +35,7 @@ def test_single_gpu_training_matches_cpu(tmp_path, monkeypatch):
 
 
 def test_dp_on_real_gpu_checks_and_runs():
-    strategy = build_strategy("dp", DistInfo(device=CUDA0), device_ids=[0], output_device=0)
+    strategy = DataParallel(DistInfo(device=CUDA0), device_ids=[0], output_device=0)
     module = strategy.setup_module(torch.nn.Linear(4, 2))
     assert isinstance(module, torch.nn.DataParallel) and module.device_ids == [0]
     out = module(torch.randn(3, 4, device=CUDA0))
@@ -43,13 +43,13 @@ def test_dp_on_real_gpu_checks_and_runs():
     with pytest.raises(ValueError, match="targets are on cpu but DataParallel gathers outputs on output_device=cuda:0"):
         check_targets_on_output_device(out, torch.zeros(3), strategy.output_device)
     with pytest.raises(ValueError, match="dp_device_ids names cuda:7"):
-        build_strategy("dp", DistInfo(device=CUDA0), device_ids=[7])
+        DataParallel(DistInfo(device=CUDA0), device_ids=[7])
     assert set(strategy.model_state_dict(module)) == {"weight", "bias"}
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs to scatter over; this machine has fewer")
 def test_dp_scatters_over_two_gpus():
-    strategy = build_strategy("dp", DistInfo(device=CUDA0), device_ids=[0, 1], output_device=1)
+    strategy = DataParallel(DistInfo(device=CUDA0), device_ids=[0, 1], output_device=1)
     module = strategy.setup_module(torch.nn.Linear(4, 2))
     assert module(torch.randn(4, 4, device=CUDA0)).device == torch.device("cuda", 1)
     with pytest.raises(ValueError, match="batch size 1 is smaller than the 2 devices"):

@@ -19,7 +19,7 @@ from gputrain.dist import DistInfo
 from gputrain.metrics.classification import ClassificationEvaluator
 from gputrain.metrics.detection import CocoEvaluator
 from gputrain.metrics.segmentation import SegmentationEvaluator, miou_from_confusion
-from gputrain.strategies import build_strategy
+from gputrain.strategies import DDP, SingleDevice
 from multiproc import run_ranks
 
 N_CLS, N_SEG, N_COCO = 359, 7, 5
@@ -110,7 +110,7 @@ def _batches(indices: list[int], size: int) -> list[list[int]]:
 # -- the evaluation, run by 1 process in the test and by each of 2 ranks -------------------
 def evaluate_all(info: DistInfo, gt_path: str, out_dir: str) -> dict[str, dict[str, float]]:
     torch.set_num_threads(1)
-    strategy = build_strategy("ddp" if info.world_size > 1 else "single", info)
+    strategy = (DDP if info.world_size > 1 else SingleDevice)(info)
     rank, ws = info.rank, info.world_size
     out: dict[str, dict[str, float]] = {}
 
@@ -217,7 +217,7 @@ def test_coco_empty_predictions_give_zero_map(tmp_path):
     ev = CocoEvaluator(str(gt_path), label_to_category=CATEGORIES)
     empty = _detections(4)
     ev.update([empty, empty], [{"image_id": 1}, {"image_id": 2}], None, 2)
-    metrics = ev.compute(build_strategy("single", DistInfo()), out_dir=tmp_path)
+    metrics = ev.compute(SingleDevice(DistInfo()), out_dir=tmp_path)
     assert metrics == {"images": 2.0, "bbox_mAP": 0.0, "bbox_mAP50": 0.0, "segm_mAP": 0.0, "segm_mAP50": 0.0}
     assert json.loads((tmp_path / "predictions.json").read_text()) == []
 

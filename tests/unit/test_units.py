@@ -10,11 +10,11 @@ import torch
 
 from gputrain.checkpoint import atomic_save, load_checkpoint
 from gputrain.config import SchedulerConfig, load_config
-from gputrain.data.samplers import epoch_permutation, eval_shard, train_shard
+from gputrain.data.samplers import EpochPlan, StepBatchSampler, epoch_permutation, eval_shard
 from gputrain.dist import DistInfo
 from gputrain.optim import lr_factor
 from gputrain.precision import build_precision
-from gputrain.strategies import build_strategy
+from gputrain.strategies import DataParallel, build_strategy, strategy_class
 from gputrain.strategies.dp import (
     check_batch_covers_devices,
     check_module_on_first_device,
@@ -31,13 +31,40 @@ def test_eval_shards_cover_every_sample_once(n, world):
     assert max(map(len, shards)) - min(map(len, shards)) <= 1
 
 
-def test_train_shards_of_w_ranks_equal_one_process_global_batches():
-    order = epoch_permutation(64, seed=3, epoch=1)
-    b, w = 4, 2
-    shards = [train_shard(order, r, w, drop_last=False) for r in range(w)]
-    for step in range(64 // (b * w)):
-        together = sorted(i for s in shards for i in s[step * b:(step + 1) * b])
-        assert together == sorted(order[step * b * w:(step + 1) * b * w])
+def _step_sets(n: int, world: int, batch: int, accumulate: int, drop_last: bool = False) -> list[list[int]]:
+    plan = EpochPlan(n, seed=3, epoch=1, dp_size=world, batch_size=batch, accumulate=accumulate, drop_last=drop_last)
+    return [sorted(i for micro in plan.micro_batches(k) for share in micro for i in share)
+            for k in range(plan.num_steps)]
+
+
+@pytest.mark.parametrize("n", [97, 101, 128, 5])
+@pytest.mark.parametrize(("world", "batch", "accumulate"), [(1, 32, 1), (2, 16, 1), (3, 8, 1), (2, 8, 2), (4, 4, 2)])
+def test_every_sample_once_and_steps_equal_one_process_with_the_global_batch(n, world, batch, accumulate):
+    steps = _step_sets(n, world, batch, accumulate)
+    assert sorted(i for step in steps for i in step) == list(range(n))  # no sample twice, none skipped
+    reference = _step_sets(n, 1, world * batch * accumulate, 1)  # one process, the same global batch
+    assert steps == reference
+
+
+def test_rank_batches_of_a_short_last_step_may_be_empty_but_are_never_padded():
+    plan = EpochPlan(97, seed=0, epoch=0, dp_size=2, batch_size=16, accumulate=1)
+    last = plan.micro_batches(plan.num_steps - 1)
+    assert [len(share) for share in last[-1]] == [1, 0]
+    samplers = [StepBatchSampler(97, dp_rank=r, dp_size=2, batch_size=16) for r in range(2)]
+    seen = [i for s in samplers for batch in s for _, i in batch]
+    assert sorted(seen) == list(range(97))
+    assert [len(s) for s in samplers] == [4, 3]
+
+
+def test_mid_epoch_start_step_yields_exactly_the_unseen_samples():
+    full = StepBatchSampler(101, dp_rank=0, dp_size=1, batch_size=10)
+    full.set_epoch(2)
+    resumed = [StepBatchSampler(101, dp_rank=r, dp_size=2, batch_size=5) for r in range(2)]
+    for s in resumed:
+        s.set_epoch(2, start_step=4)  # 4 steps of 10 done before the checkpoint
+    before = [i for batch in list(full)[:4] for _, i in batch]
+    after = [i for s in resumed for batch in s for _, i in batch]
+    assert sorted(before + after) == list(range(101)) and not set(before) & set(after)
 
 
 def test_train_order_depends_on_seed_and_epoch_only():
@@ -46,12 +73,9 @@ def test_train_order_depends_on_seed_and_epoch_only():
     assert epoch_permutation(50, 1, 2) != epoch_permutation(50, 2, 2)
 
 
-def test_train_shard_pads_or_drops_uneven_tail():
-    order = list(range(7))
-    padded = [train_shard(order, r, 2, drop_last=False) for r in range(2)]
-    assert padded == [[0, 2, 4, 6], [1, 3, 5, 0]]
-    dropped = [train_shard(order, r, 2, drop_last=True) for r in range(2)]
-    assert dropped == [[0, 2, 4], [1, 3, 5]]
+def test_drop_last_drops_only_the_short_last_global_batch():
+    steps = _step_sets(7, 2, 2, 1, drop_last=True)
+    assert len(steps) == 1 and len(steps[0]) == 4
 
 
 def test_lr_schedules():
@@ -151,10 +175,10 @@ def test_mixed_precision_trains_and_keeps_scaler_state(name):
 def test_unknown_precision_and_strategy_say_what_is_valid():
     with pytest.raises(ValueError, match="choose 32, 16-mixed or bf16-mixed"):
         build_precision("8-bit", torch.device("cpu"))
-    with pytest.raises(ValueError, match=r"choose one of \['ddp', 'dp', 'single'\]"):
-        build_strategy("fsdp3", DistInfo())
+    with pytest.raises(ValueError, match=r"trainer.strategy='fsdp3' is unknown; choose one of .*ddp, dp,"):
+        strategy_class("fsdp3")
     with pytest.raises(ValueError, match="use --strategy ddp"):
-        build_strategy("single", DistInfo(world_size=2))
+        build_strategy(load_config(None, ["trainer.strategy=single"]), DistInfo(world_size=2))
 
 
 # -- DataParallel traps: pure checks over device lists, so they run without GPUs ------------
@@ -184,12 +208,12 @@ def test_dp_targets_must_meet_outputs_on_output_device():
 
 def test_dp_strategy_on_cpu_warns_and_unwraps_without_prefix():
     with pytest.warns(UserWarning, match="device_ids and output_device are ignored"):
-        strategy = build_strategy("dp", DistInfo(), device_ids=[0, 1], output_device=1)
+        strategy = DataParallel(DistInfo(), device_ids=[0, 1], output_device=1)
     module = strategy.setup_module(torch.nn.Linear(2, 2))
     assert isinstance(module, torch.nn.DataParallel)
     assert set(strategy.model_state_dict(module)) == {"weight", "bias"}
     with pytest.raises(ValueError, match="cannot run under a 2-process launch"):
-        build_strategy("dp", DistInfo(world_size=2))
+        DataParallel(DistInfo(world_size=2))
 
 
 def test_task_records_derived_model_arguments_in_config():

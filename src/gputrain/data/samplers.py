@@ -1,18 +1,26 @@
-"""Samplers the framework owns, so that data order never depends on rank or worker RNG.
+"""Sampling the framework owns: which samples each rank reads at each step, from (seed, epoch) alone.
 
-Training order is a permutation drawn from ``(seed, epoch)`` alone and dealt to ranks by
-stride, so ``W`` ranks with batch ``B`` see, step by step, exactly the samples that one
-process with batch ``W*B`` sees. Evaluation shards without padding: every sample is
-evaluated once, whatever the world size.
+An epoch is a permutation drawn from ``(seed, epoch)`` and cut into global batches of
+``G = batch_size x data-parallel size x accumulation``. Global batch ``k`` is cut into
+micro-batches of ``batch_size x dp`` consecutive samples, and each micro-batch is dealt to ranks
+by stride. So ``W`` ranks with batch ``B`` see, step by step, exactly the samples one process
+with batch ``W*B`` sees, whatever the dataset size: the last global batch is trained as it
+comes (some ranks may get fewer samples, or none), never padded with repeats. Because a step's
+samples depend only on ``(seed, epoch, k, G)``, a checkpoint that records ``k`` resumes on any
+world size that keeps ``G``.
+
+Augmentation randomness follows the same rule: :class:`SeededSamples` draws each sample's
+transforms from ``(seed, epoch, index)``, not from a worker's or rank's generator.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from typing import Any
 
 import torch
-from torch.utils.data import Sampler
+from torch.utils.data import Dataset, Sampler
 
 
 def epoch_permutation(n: int, seed: int, epoch: int, shuffle: bool = True) -> list[int]:
@@ -24,25 +32,85 @@ def epoch_permutation(n: int, seed: int, epoch: int, shuffle: bool = True) -> li
     return torch.randperm(n, generator=g).tolist()
 
 
-def train_shard(order: list[int], rank: int, world_size: int, drop_last: bool) -> list[int]:
-    """Rank ``rank``'s slice of ``order``: every ``world_size``-th index from ``rank``.
+class EpochPlan:
+    """The global batches of one epoch and how each is cut into micro-batches and rank shares."""
 
-    Without ``drop_last`` the order is padded with its own head (as DistributedSampler
-    does) so that every rank runs the same number of steps; with it, the tail that does not
-    fill every rank is dropped.
+    def __init__(self, n: int, *, seed: int, epoch: int, dp_size: int, batch_size: int, accumulate: int = 1,
+                 drop_last: bool = False, shuffle: bool = True) -> None:
+        if n <= 0:
+            raise ValueError("the training dataset is empty; check data.root and the split")
+        self.order = epoch_permutation(n, seed, epoch, shuffle)
+        self.dp_size, self.batch_size, self.accumulate = dp_size, batch_size, accumulate
+        self.global_batch = batch_size * dp_size * accumulate
+        usable = (n // self.global_batch) * self.global_batch if drop_last else n
+        self.num_samples = usable
+        self.num_steps = math.ceil(usable / self.global_batch)
+
+    def step_size(self, k: int) -> int:
+        """Samples in global batch ``k`` (all ranks, all micro-batches)."""
+        return min(self.global_batch, self.num_samples - k * self.global_batch)
+
+    def micro_batches(self, k: int) -> list[list[list[int]]]:
+        """``[micro][dp_rank] -> indices`` of global batch ``k``; a short last batch has fewer or emptier entries."""
+        start = k * self.global_batch
+        step = self.order[start:start + self.step_size(k)]
+        chunk = self.batch_size * self.dp_size
+        return [[step[m + r:m + chunk:self.dp_size] for r in range(self.dp_size)] for m in range(0, len(step), chunk)]
+
+    def samples_before(self, k: int) -> int:
+        """Samples of the epoch consumed by the first ``k`` steps (the global sample cursor)."""
+        return min(k * self.global_batch, self.num_samples)
+
+
+class StepBatchSampler(Sampler[list[tuple[int, int]]]):
+    """This rank's non-empty micro-batches of an epoch, from a start step, as ``(epoch, index)`` keys.
+
+    The loop calls :meth:`set_epoch` before each epoch (with the step to start from on a
+    mid-epoch resume) and reads :attr:`plan` to know which micro-batches are empty on which rank.
     """
-    n = len(order)
-    if drop_last:
-        per_rank = n // world_size
-    else:
-        per_rank = math.ceil(n / world_size)
-    total = per_rank * world_size
-    if total > n:
-        reps = math.ceil(total / max(n, 1))
-        order = (order * reps)[:total]
-    else:
-        order = order[:total]
-    return order[rank:total:world_size]
+
+    def __init__(self, length: int, *, dp_rank: int, dp_size: int, batch_size: int, accumulate: int = 1,
+                 seed: int = 0, drop_last: bool = False, shuffle: bool = True) -> None:
+        self.length, self.dp_rank = length, dp_rank
+        self.options = dict(seed=seed, dp_size=dp_size, batch_size=batch_size, accumulate=accumulate,
+                            drop_last=drop_last, shuffle=shuffle)
+        self.epoch, self.start_step = 0, 0
+        self.plan = EpochPlan(length, epoch=0, **self.options)  # type: ignore[arg-type]
+
+    def set_epoch(self, epoch: int, start_step: int = 0) -> None:
+        self.epoch, self.start_step = epoch, start_step
+        self.plan = EpochPlan(self.length, epoch=epoch, **self.options)  # type: ignore[arg-type]
+
+    def __iter__(self) -> Iterator[list[tuple[int, int]]]:
+        for k in range(self.start_step, self.plan.num_steps):
+            for micro in self.plan.micro_batches(k):
+                if micro[self.dp_rank]:
+                    yield [(self.epoch, i) for i in micro[self.dp_rank]]
+
+    def __len__(self) -> int:
+        return sum(1 for k in range(self.start_step, self.plan.num_steps)
+                   for micro in self.plan.micro_batches(k) if micro[self.dp_rank])
+
+
+class SeededSamples(Dataset):
+    """Reads ``dataset[index]`` with torch's generator seeded from ``(seed, epoch, index)``.
+
+    Random transforms then depend on the sample, not on which rank or worker reads it, so a run
+    resumed on another world size or worker count augments every sample as before. The caller's
+    generator state is restored afterwards (dropout keeps its own stream).
+    """
+
+    def __init__(self, dataset: Dataset, seed: int) -> None:
+        self.dataset, self.seed = dataset, seed
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getitem__(self, key: tuple[int, int]) -> Any:
+        epoch, index = key
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(((self.seed * 1_000_003 + epoch) * 2_147_483_647 + index) % 2**63)
+            return self.dataset[index]
 
 
 def eval_shard(n: int, rank: int, world_size: int) -> list[int]:
@@ -51,32 +119,6 @@ def eval_shard(n: int, rank: int, world_size: int) -> list[int]:
     Shards differ in length by at most one; together they cover ``range(n)`` exactly once.
     """
     return list(range(rank, n, world_size))
-
-
-class TrainSampler(Sampler[int]):
-    """Deterministic, rank-sharded training order; the loop calls :meth:`set_epoch`."""
-
-    def __init__(
-        self, length: int, *, rank: int = 0, world_size: int = 1, seed: int = 0, shuffle: bool = True,
-        drop_last: bool = False,
-    ) -> None:
-        if length == 0:
-            raise ValueError("the training dataset is empty; check data.root and the split")
-        self.length, self.rank, self.world_size = length, rank, world_size
-        self.seed, self.shuffle, self.drop_last = seed, shuffle, drop_last
-        self.epoch = 0
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def __iter__(self) -> Iterator[int]:
-        order = epoch_permutation(self.length, self.seed, self.epoch, self.shuffle)
-        return iter(train_shard(order, self.rank, self.world_size, self.drop_last))
-
-    def __len__(self) -> int:
-        if self.drop_last:
-            return self.length // self.world_size
-        return math.ceil(self.length / self.world_size)
 
 
 class EvalSampler(Sampler[int]):

@@ -15,11 +15,17 @@ class Hook:
 
     def before_epoch(self, trainer: Trainer) -> None: ...
 
+    def before_optimizer_step(self, trainer: Trainer) -> None:
+        """After the step's backward passes, before clipping and the optimizer: gradients are readable."""
+
     def after_step(self, trainer: Trainer, logs: dict[str, float] | None) -> None:
         """After each optimizer step; ``logs`` holds rank-reduced metrics on logging steps, else None."""
 
     def after_epoch(self, trainer: Trainer, metrics: dict[str, float]) -> None:
         """After training and evaluation of an epoch; ``metrics`` are reduced over ranks."""
+
+    def after_eval_batch(self, trainer: Trainer, done: int, total: int) -> None:
+        """After each validation batch of this rank (``done`` of its ``total``)."""
 
     def after_fit(self, trainer: Trainer, summary: dict[str, Any]) -> None: ...
 

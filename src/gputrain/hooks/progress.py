@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
 from tqdm.auto import tqdm
@@ -15,9 +16,22 @@ if TYPE_CHECKING:
 class ProgressHook(Hook):
     """A bar per epoch (when ``bar``) and one summary line per epoch, on rank 0."""
 
-    def __init__(self, bar: bool = True) -> None:
+    def __init__(self, bar: bool = True, eval_every_s: float = 10.0) -> None:
         self.show_bar = bar
         self.bar: tqdm | None = None
+        self.eval_every_s = eval_every_s
+        self._eval_last = 0.0
+
+    def after_eval_batch(self, trainer: Trainer, done: int, total: int) -> None:
+        # A long evaluation (COCO on a CPU) otherwise looks like a hang: a line every few seconds.
+        if not trainer.dist.is_main:
+            return
+        now = time.monotonic()
+        if done == 1:
+            self._eval_last = now
+        elif now - self._eval_last >= self.eval_every_s:
+            self._eval_last = now
+            tqdm.write(f"evaluating: {done}/{total} batches on rank 0")
 
     def before_epoch(self, trainer: Trainer) -> None:
         if trainer.dist.is_main and self.show_bar:

@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from gputrain.dist import DistInfo
 from gputrain.strategies.base import Strategy
+
+if TYPE_CHECKING:
+    from gputrain.config import RunConfig
 
 
 def _as_device(d: int | str | torch.device) -> torch.device:
@@ -72,6 +75,20 @@ class DataParallel(Strategy):
     """``nn.DataParallel(model, device_ids, output_device)`` with its traps checked."""
 
     name = "dp"
+
+    @classmethod
+    def processes_per_node(cls, devices: int) -> int:
+        return 1  # one process drives every GPU in device_ids
+
+    @classmethod
+    def from_config(cls, dist_info: DistInfo, cfg: RunConfig) -> DataParallel:
+        return cls(dist_info, device_ids=cfg.trainer.dp_device_ids, output_device=cfg.trainer.dp_output_device)
+
+    def describe(self) -> str:
+        if not self.cuda:
+            return "strategy=dp on 1 device (DataParallel on a CPU is one device: it calls the model directly)"
+        ids = ",".join(str(d) for d in self.device_ids)
+        return f"strategy=dp on {len(self.device_ids)} device(s) ({ids}), outputs gathered on {self._output}"
 
     def __init__(
         self, dist_info: DistInfo, *, device_ids: Sequence[int | str] | None = None,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shlex
+import sys
 from typing import Any
 
 from gputrain.config import RunConfig
@@ -10,13 +12,34 @@ from gputrain.loop import Trainer
 from gputrain.loop_state import seed_everything
 from gputrain.tasks import build_task
 
+# Flags whose value the resume command replaces or drops (they would clear or move the run).
+_REPLACED = {"--resume", "--out", "--overwrite"}
+
+
+def resume_command(argv: list[str], out: str) -> str:
+    """The command line that continues this run: the same one with ``--resume auto --out OUT``."""
+    kept: list[str] = []
+    skip = False
+    for arg in argv:
+        if skip:
+            skip = False
+            continue
+        flag = arg.split("=", 1)[0]
+        if flag in _REPLACED or flag.startswith(("trainer.resume=", "trainer.out=", "trainer.overwrite=")):
+            skip = "=" not in arg and flag != "--overwrite"
+            continue
+        kept.append(arg)
+    return shlex.join(["gputrain", *kept, "--resume", "auto", "--out", out])
+
 
 def train_from_config(cfg: RunConfig) -> dict[str, Any]:
     """Run one training job in this process (one rank of it, under a launcher)."""
-    init_distributed(cfg.trainer.accelerator)  # first, so that building the data may use a barrier
+    init_distributed(cfg.trainer.accelerator, timeout_s=cfg.trainer.timeout_s)  # first: building data may barrier
     seed_everything(cfg.trainer.seed)  # before the model is built: same initial weights on every rank and run
-    spec = build_task(cfg)
     try:
-        return Trainer(cfg).fit(spec.model, spec.train_data, spec.val_data, task=spec.task)
+        spec = build_task(cfg)
+        argv = sys.argv[1:]
+        trainer = Trainer(cfg, resume_command=lambda out: resume_command(argv, str(out)))
+        return trainer.fit(spec.model, spec.train_data, spec.val_data, task=spec.task)
     finally:
         teardown()

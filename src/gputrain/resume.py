@@ -1,0 +1,155 @@
+"""One home for what a checkpoint of a run holds, when it may be written, and how a run resumes from one.
+
+Saving: every rank checks that nothing it holds is NaN/inf and the ranks agree before anything is
+written, so a diverged run never replaces a good checkpoint. The state is gathered through the
+strategy (sharded strategies gather collectively) and written by rank 0 through the
+:class:`~gputrain.checkpoint.CheckpointStore` (atomic, checksummed, rotated).
+
+Resuming: rank 0 alone decides which checkpoint (``--resume auto`` takes the newest valid one)
+and tells the others; every rank must be able to read that file, and all must end up at the same
+step. A run resumed on another number of processes keeps the global batch, so it continues the
+same sequence of steps (see :mod:`gputrain.data.samplers`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from gputrain.checkpoint import load_checkpoint, rng_state, set_rng_state
+from gputrain.errors import NonFiniteError
+from gputrain.loop_state import TrainState
+
+if TYPE_CHECKING:
+    from gputrain.loop import Trainer
+
+
+def checkpoint_store(trainer: Trainer) -> Any:
+    """The run's checkpoint folder as a store, also when this run writes none (to find one to resume)."""
+    from gputrain.checkpoint import CheckpointStore
+
+    if trainer.checkpoints is not None:
+        return trainer.checkpoints
+    t = trainer.cfg.trainer
+    return CheckpointStore(trainer.out / "checkpoints", keep_last=t.keep_last, monitor=t.monitor,
+                           monitor_mode=t.monitor_mode)
+
+
+def all_finite(trainer: Trainer, loss: float | None = None) -> bool:
+    """Whether loss, weights, buffers and optimizer state are finite on every rank (a collective)."""
+    checks = [torch.isfinite(t).all() for t in trainer.strategy.local_tensors(trainer.module, trainer.optimizer)
+              if t.is_floating_point() or t.is_complex()]
+    local_ok = bool(torch.stack(checks).all()) if checks else True
+    if loss is not None and not torch.isfinite(torch.tensor(loss)):
+        local_ok = False
+    bad = torch.tensor([0.0 if local_ok else 1.0], device=trainer.strategy.root_device)
+    return float(trainer.strategy.all_reduce(bad, op="max")) == 0.0
+
+
+def raise_non_finite(trainer: Trainer, what: str) -> None:
+    store = trainer.checkpoints
+    last = store.latest_valid() if store is not None and trainer.dist.is_main else None
+    last = trainer.strategy.broadcast_object(str(last) if last else "")
+    kept = f"the last good checkpoint, {last}, is kept" if last else "no checkpoint had been written"
+    raise NonFiniteError(
+        f"{what} became NaN/inf at epoch {trainer.state.epoch + 1} step {trainer.state.global_step}; nothing "
+        f"non-finite was written ({kept}); lower optim.lr or set trainer.grad_clip_norm"
+    )
+
+
+def checkpoint_state(trainer: Trainer) -> dict[str, Any]:
+    """Everything needed to continue the run exactly; plain containers and tensors only (a collective)."""
+    gathered = trainer.strategy.gather_objects(rng_state())
+    return {
+        "model": trainer.strategy.model_state_dict(trainer.module),
+        "optimizer": trainer.strategy.optimizer_state_dict(trainer.module, trainer.optimizer),
+        "scheduler": trainer.scheduler.state_dict(),
+        "precision": trainer.precision.state_dict(),
+        "state": dataclasses.asdict(trainer.state),
+        "rng": {str(rank): state for rank, state in enumerate(gathered)} if gathered else {},
+        "world_size": trainer.dist.world_size,
+        "global_batch": trainer.global_batch,
+        "config": trainer.config_dict,
+    }
+
+
+def save_checkpoint(trainer: Trainer, name: str, metrics: dict[str, float] | None = None) -> Path | None:
+    """Write checkpoint ``name`` (rank 0) after all ranks agree that everything in it is finite."""
+    store = trainer.checkpoints
+    if store is None:
+        return None
+    if not all_finite(trainer, (metrics or {}).get("train/loss")):
+        raise_non_finite(trainer, "the loss, weights or optimizer state")
+    trainer.strategy.prepare_eval(trainer.module)  # rank 0's buffers are the ones saved: all ranks adopt them
+    state = checkpoint_state(trainer)
+    path = store.save(state, name=name, metrics=metrics) if trainer.dist.is_main else None
+    trainer.strategy.barrier()
+    return path
+
+
+def _choose(trainer: Trainer, where: str) -> str:
+    """Rank 0 picks the checkpoint; every rank gets its path ('' when there is nothing to resume)."""
+    choice = ""
+    if trainer.dist.is_main:
+        if where == "auto":
+            found = checkpoint_store(trainer).latest_valid()
+            choice = str(found) if found else ""
+        else:
+            choice = where
+    return str(trainer.strategy.broadcast_object(choice))
+
+
+def load_resume_state(trainer: Trainer, where: str) -> dict[str, Any] | None:
+    """The checkpoint this run continues from, read on every rank, or None for a fresh start."""
+    path = _choose(trainer, where)
+    readable = trainer.strategy.all_gather_objects(Path(path).is_file() if path else True)
+    missing = [rank for rank, ok in enumerate(readable) if not ok]
+    if missing:
+        raise ValueError(
+            f"rank(s) {missing} cannot read {path}, the checkpoint rank 0 resumes from; put --out on storage every "
+            "node can read, or copy the run folder to each node before resuming"
+        )
+    if not path:
+        return None
+    return load_checkpoint(path, map_location=trainer.dist.device) | {"_path": path}
+
+
+def resumed_batch_size(saved_global_batch: int, dp_size: int, accumulate: int, batch_size: int,
+                       path: str) -> int:
+    """The per-device batch that keeps the checkpoint's global batch on this many data-parallel ranks."""
+    if saved_global_batch == batch_size * dp_size * accumulate:
+        return batch_size
+    if saved_global_batch % (dp_size * accumulate):
+        raise ValueError(
+            f"checkpoint {path} was trained with global batch {saved_global_batch}, which {dp_size} process(es) x "
+            f"accumulation {accumulate} cannot split evenly; resume on a process count that divides it, or set "
+            "trainer.accumulate_grad_batches so that it does"
+        )
+    return saved_global_batch // (dp_size * accumulate)
+
+
+def apply_resume_state(trainer: Trainer, state: dict[str, Any]) -> None:
+    """Load model, optimizer, schedule, precision, RNG and position; all ranks must reach the same step."""
+    path = state["_path"]
+    saved_optim = state.get("config", {}).get("optim", {}).get("name", trainer.cfg.optim.name)
+    if saved_optim != trainer.cfg.optim.name:
+        raise ValueError(
+            f"checkpoint {path} was trained with optim.name={saved_optim} but this run sets "
+            f"optim.name={trainer.cfg.optim.name}; resume with the same optimizer, or load only the weights "
+            "(model.kwargs.weights_path) to start a new run"
+        )
+    trainer.strategy.load_model_state_dict(trainer.module, state["model"])
+    trainer.strategy.load_optimizer_state_dict(trainer.module, trainer.optimizer, state["optimizer"])
+    trainer.scheduler.load_state_dict(state["scheduler"])
+    trainer.precision.load_state_dict(state.get("precision", {}))
+    known = {f.name for f in dataclasses.fields(TrainState)}
+    trainer.state = TrainState(**{k: v for k, v in state["state"].items() if k in known})
+    rng = state.get("rng", {})
+    if state.get("world_size") == trainer.dist.world_size and str(trainer.dist.rank) in rng:
+        set_rng_state(rng[str(trainer.dist.rank)])  # dropout continues its stream only on the same layout
+    steps = trainer.strategy.all_gather_objects(trainer.state.global_step)
+    if len(set(steps)) != 1:
+        raise ValueError(f"ranks resumed at different steps {steps} from {path}; resume all ranks from one folder")

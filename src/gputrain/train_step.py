@@ -1,0 +1,150 @@
+"""The body of an epoch and of an evaluation pass, kept apart from the Trainer's setup.
+
+One optimizer step trains on one global batch of the epoch plan. Each micro-batch's mean loss
+is weighted by ``samples on this rank x data-parallel size / samples in the step``: after the
+strategy averages gradients over ranks, the gradient is the mean over the step's global batch,
+for any dataset size, world size and accumulation, including the epoch's short last step.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import warnings
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from gputrain.loop_state import LossWindow
+from gputrain.resume import all_finite, raise_non_finite
+from gputrain.strategies.base import MicroBatch, move_to_device
+
+if TYPE_CHECKING:
+    from gputrain.loop import Trainer
+
+
+def _empty_like(batch: Any) -> Any:
+    """A zero-sample slice of a batch (tensors cut to length 0, lists emptied)."""
+    if isinstance(batch, torch.Tensor):
+        return batch[:0]
+    if isinstance(batch, dict):
+        return {k: _empty_like(v) for k, v in batch.items()}
+    if isinstance(batch, tuple):
+        return tuple(_empty_like(v) for v in batch)
+    if isinstance(batch, list):
+        return []
+    return batch
+
+
+def run_epoch(trainer: Trainer) -> dict[str, float]:
+    """Train the steps of the current epoch from ``state.step_in_epoch``; returns the epoch's metrics."""
+    t, strategy, state = trainer.cfg.trainer, trainer.strategy, trainer.state
+    module = trainer.module
+    module.train()
+    sampler = trainer.batch_sampler
+    sampler.set_epoch(state.epoch, start_step=state.step_in_epoch)  # the framework does it, never the user
+    plan, dp_rank, dp = sampler.plan, strategy.dp_rank, strategy.dp_size
+    join_empty = strategy.has_forward_collectives(module)
+    # The loss sum stays on the device and costs one kernel per micro-batch (no host sync); it is
+    # all-reduced into host totals only on logging steps and at the end of the epoch.
+    window = LossWindow(strategy)
+    batches = iter(trainer.train_loader)
+    last_inputs: Any = None
+    start = time.perf_counter()
+    steps_done = 0
+    for k in range(state.step_in_epoch, trainer.steps_per_epoch):
+        micro_batches = plan.micro_batches(k)
+        n_step = plan.step_size(k)
+        uneven = any(not share for share in micro_batches[-1])  # some rank has nothing in the last micro-batch
+        for m, shares in enumerate(micro_batches):
+            last = m == len(micro_batches) - 1
+            n = len(shares[dp_rank])
+            if n:
+                inputs, targets = trainer.task.split_batch(next(batches))
+                inputs = move_to_device(inputs, strategy.root_device, non_blocking=True)
+                targets = move_to_device(targets, trainer.target_device, non_blocking=True)
+                last_inputs = (inputs, targets)
+            elif join_empty and last_inputs is not None:
+                inputs, targets = _empty_like(last_inputs[0]), _empty_like(last_inputs[1])
+            else:
+                inputs = targets = None
+            # With forward collectives every rank joins (an empty slice where it has no samples), so the
+            # normal reduction runs; otherwise a rank without samples skips, and gradients are averaged
+            # by hand after the step.
+            sync = last and (join_empty or not uneven)
+            micro = MicroBatch(inputs=inputs, targets=targets, size=n, weight=n * dp / n_step, sync=sync)
+            loss = strategy.forward_backward(module, micro, task=trainer.task, precision=trainer.precision)
+            window.add(loss, n)
+        if uneven and not join_empty:
+            strategy.finish_gradients(module)
+        optimizer_step(trainer)
+        steps_done += 1
+        state.samples_seen += n_step
+        state.step_in_epoch = k + 1
+        logs = None
+        if t.log_every_n_steps and state.global_step % t.log_every_n_steps == 0:
+            logs = {"train/loss": window.flush(), "lr": trainer.optimizer.param_groups[0]["lr"]}
+            if not math.isfinite(logs["train/loss"]):  # all-reduced, so every rank agrees
+                raise_non_finite(trainer, "the training loss")
+        trainer._call("after_step", logs)
+        trainer.after_optimizer_step()
+    window.flush()
+    train_s = time.perf_counter() - start
+    epoch_loss = window.epoch_loss_sum / max(window.epoch_samples, 1)
+    # Always, whatever the checkpoint settings: a diverged run ends here with a clear error.
+    if not math.isfinite(epoch_loss) or not all_finite(trainer):
+        raise_non_finite(trainer, "the training loss" if not math.isfinite(epoch_loss) else "the weights")
+    return {
+        "train/loss": epoch_loss,
+        "train/samples": window.epoch_samples,
+        "train/steps": steps_done,
+        "time/train_s": train_s,
+        "train/images_per_s": window.epoch_samples / train_s if train_s > 0 else 0.0,
+    }
+
+
+def optimizer_step(trainer: Trainer) -> None:
+    clip = trainer.cfg.trainer.grad_clip_norm
+    trainer._call("before_optimizer_step")
+    if clip > 0:
+        trainer.precision.unscale(trainer.optimizer)
+        trainer.strategy.clip_grad_norm(trainer.module, clip)
+    stepped = trainer.precision.optimizer_step(trainer.optimizer)
+    trainer.optimizer.zero_grad(set_to_none=True)
+    with warnings.catch_warnings():
+        # GradScaler skipped a step on inf/NaN gradients: the schedule still counts it, and torch's
+        # "lr_scheduler.step() before optimizer.step()" warning would describe our own choice.
+        if not stepped:
+            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()` before")
+        trainer.scheduler.step()
+    trainer.state.global_step += 1
+
+
+@torch.no_grad()
+def evaluate_batches(trainer: Trainer) -> dict[str, float]:
+    """Run the validation loader through the model and reduce the task's evaluator over ranks."""
+    strategy, task = trainer.strategy, trainer.task
+    assert trainer.val_loader is not None
+    model = strategy.eval_module(trainer.module)
+    model.eval()
+    evaluator = task.evaluator()
+    done, last_inputs, total = 0, None, len(trainer.val_loader)
+    for batch in trainer.val_loader:
+        inputs, targets = task.split_batch(batch)
+        inputs = move_to_device(inputs, strategy.root_device, non_blocking=True)
+        targets = move_to_device(targets, trainer.target_device, non_blocking=True)
+        with trainer.precision.forward_context():
+            outputs, loss = task.evaluate_batch(model, inputs, targets)
+        if strategy.computes_loss:
+            evaluator.update(outputs, targets, loss, task.batch_size(inputs))
+        done, last_inputs = done + 1, inputs
+        trainer._call("after_eval_batch", done, total)
+    if strategy.eval_in_lockstep:
+        # Forward issues collectives (FSDP gathers parameters): a rank with a shorter shard runs
+        # empty forwards until every rank has run as many; nothing it computes reaches a metric.
+        most = int(strategy.all_reduce(torch.tensor([done], device=strategy.root_device), op="max"))
+        for _ in range(most - done):
+            if last_inputs is not None:
+                with trainer.precision.forward_context():
+                    model(_empty_like(last_inputs))
+    return evaluator.compute(strategy, trainer.out)
