@@ -81,6 +81,11 @@ def launched_env() -> dict[str, int] | None:
     return None
 
 
+def restart_attempt() -> int:
+    """How many times torchrun has restarted this worker group (0 on the first attempt)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
+
 def init_distributed(accelerator: str = "auto", timeout_s: float = 600.0) -> DistInfo:
     """Join the job this process belongs to and return its :class:`DistInfo`.
 
@@ -112,7 +117,7 @@ def init_distributed(accelerator: str = "auto", timeout_s: float = 600.0) -> Dis
         # After an elastic restart torchrun hands the workers the same rendezvous store, which still
         # holds the previous attempt's keys: gloo then connects to the dead attempt's ports
         # (pytorch/pytorch#167288). A key prefix per attempt keeps each attempt's group apart.
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        attempt = restart_attempt()
         dist.init_process_group(
             backend="nccl" if kind == "cuda" else "gloo",
             store=dist.PrefixStore(f"gputrain/attempt{attempt}", store),

@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from gputrain.config import RunConfig, TrainerConfig, to_dict, to_yaml
 from gputrain.data.samplers import SeededSamples, StepBatchSampler
-from gputrain.dist import DistInfo, init_distributed
+from gputrain.dist import DistInfo, init_distributed, restart_attempt
 from gputrain.errors import Interrupted
 from gputrain.hooks.base import Hook
 from gputrain.loop_state import TrainState, seed_everything
@@ -64,6 +64,11 @@ class Trainer:
     def _setup_runtime(self, task: Task, *, for_training: bool) -> None:
         """Process group, strategy, precision and run folder: what training and evaluation share."""
         t = self.cfg.trainer
+        if for_training and restart_attempt() > 0 and not t.resume:
+            # torchrun restarted the workers after a failure: they run the same command, and must
+            # continue from the newest valid checkpoint rather than start over.
+            self.cfg = dataclasses.replace(self.cfg, trainer=dataclasses.replace(t, resume="auto"))
+            t = self.cfg.trainer
         self.dist: DistInfo = init_distributed(t.accelerator, timeout_s=t.timeout_s)
         self.strategy: Strategy = build_strategy(self.cfg, self.dist)
         expected = self.strategy.processes_per_node(t.devices) * self.cfg.launch.nnodes
@@ -117,8 +122,8 @@ class Trainer:
             )
 
     def _setup(self, model: nn.Module, task: Task, train_data: Dataset, val_data: Dataset | None) -> None:
-        t = self.cfg.trainer
         self._setup_runtime(task, for_training=True)
+        t = self.cfg.trainer  # after the runtime: an elastic restart turns resume on
         seed_everything(t.seed)
         self._check_same_length(train_data)
         resume_state = load_resume_state(self, t.resume) if t.resume else None
