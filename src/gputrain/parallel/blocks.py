@@ -1,0 +1,266 @@
+"""An unmodified model as an ordered list of named blocks whose chain computes its forward.
+
+Strategies that split a model (model_parallel, pipeline) and the partitioner need the model as a
+chain: block ``i`` consumes what block ``i-1`` returned. :func:`sequential_blocks` finds that chain
+for the shapes gputrain knows (torchvision ResNet, ``nn.Sequential``, the conv autoencoder,
+DeepLabv3+) without touching model code: blocks *share* the model's submodules (no copies), so
+training the blocks trains the model, and :func:`block_key_map` maps a block's state_dict keys back
+to the model's, so a split model saves weights the plain model loads with ``strict=True``.
+
+The state passed between blocks is a tensor, or a tuple of tensors when a later block needs an
+earlier result (DeepLabv3+'s decoder reads layer1's features). A tuple always holds only tensors,
+so it can cross a process boundary with ``torch.distributed.pipelining``. The adapters below hold
+the small glue code (a flatten, a concatenation) that a model's ``forward`` did inline.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torchvision
+from torch import nn
+from torch.nn import functional as F
+
+from gputrain.models.deeplabv3plus import DeepLabV3Plus
+from gputrain.models.vision import ConvAutoencoder
+
+Block = tuple[str, nn.Module]
+State = Any
+"""A tensor, or a tuple of tensors carried between blocks."""
+
+SPLIT_HELP = (
+    "make it splittable: build it as an nn.Sequential, or give trainer.parallel.split_points on a model "
+    "whose top-level children run in order (their names are the split points)"
+)
+
+
+class _First(nn.Module):
+    """Apply ``module`` to the first tensor of a carried tuple; pass the rest through."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, state: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        return (self.module(state[0]), *state[1:])
+
+
+class _StartWithSize(nn.Module):
+    """Run the first block and carry the input's spatial size for the final upsample.
+
+    The size rides in a zero-element uint8 tensor of shape (N, 0, H, W): its shape is the
+    information, it costs no bytes, it splits into micro-batches along dim 0, and, not being
+    floating point, it never asks for a gradient (gloo sends zero-element tensors fine).
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        n, _, h, w = x.shape
+        return self.module(x), torch.empty((n, 0, h, w), dtype=torch.uint8, device=x.device)
+
+
+class _KeepLow(nn.Module):
+    """DeepLabv3+: reduce layer1's features to the decoder's low-level branch, carried beside the trunk.
+
+    Reducing right away (rather than after layer4, as the model's forward does) computes the same
+    numbers and carries 48 channels between stages instead of 256.
+    """
+
+    def __init__(self, reduce: nn.Module) -> None:
+        super().__init__()
+        self.reduce = reduce
+
+    def forward(self, state: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        trunk, size = state
+        return trunk, self.reduce(trunk), size
+
+
+class _Fuse(nn.Module):
+    """DeepLabv3+: upsample ASPP's output to the low-level size, concatenate, and fuse."""
+
+    def __init__(self, fuse: nn.Module) -> None:
+        super().__init__()
+        self.fuse = fuse
+
+    def forward(self, state: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        high, low, size = state
+        high = F.interpolate(high, size=low.shape[-2:], mode="bilinear", align_corners=False)
+        return self.fuse(torch.cat([high, low], dim=1)), size
+
+
+class _Upsample(nn.Module):
+    """DeepLabv3+: bilinear upsampling of the logits to the carried input size."""
+
+    def forward(self, state: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        logits, size = state
+        return F.interpolate(logits, size=size.shape[-2:], mode="bilinear", align_corners=False)
+
+
+def _is_plain(model: nn.Module, base: type[nn.Module], *methods: str) -> bool:
+    """``model`` is a ``base`` whose forward code (``methods``) no subclass has overridden."""
+    return isinstance(model, base) and all(getattr(type(model), m) is getattr(base, m) for m in methods)
+
+
+def _resnet_blocks(model: torchvision.models.ResNet) -> list[Block]:
+    names = ["conv1", "bn1", "relu", "maxpool", "layer1", "layer2", "layer3", "layer4", "avgpool"]
+    # ResNet._forward_impl calls torch.flatten(x, 1) between avgpool and fc; nn.Flatten(1) is the same op.
+    return [*((n, getattr(model, n)) for n in names), ("flatten", nn.Flatten(1)), ("fc", model.fc)]
+
+
+def _deeplab_blocks(model: DeepLabV3Plus) -> list[Block]:
+    trunk = model.backbone  # IntermediateLayerGetter: its children run in order
+    children = list(trunk.named_children())
+    blocks: list[Block] = [(children[0][0], _StartWithSize(children[0][1]))]
+    for name, module in children[1:]:
+        blocks.append((name, _First(module)))
+        if name == "layer1":
+            blocks.append(("reduce", _KeepLow(model.reduce)))
+    blocks += [
+        ("aspp", _First(model.aspp)),
+        ("fuse", _Fuse(model.fuse)),
+        ("classifier", _First(model.classifier)),
+        ("upsample", _Upsample()),
+    ]
+    return blocks
+
+
+def sequential_blocks(model: nn.Module, *, children_in_order: bool = False) -> list[Block]:
+    """The named blocks of ``model`` that, applied in order, compute ``model(x)``.
+
+    Known shapes: torchvision ``ResNet`` (conv1 ... avgpool, flatten, fc), ``nn.Sequential`` (its
+    children, named "0", "1", ...), :class:`ConvAutoencoder` (encoder, decoder) and
+    :class:`DeepLabV3Plus` (conv1 ... layer1, reduce, layer2 ... layer4, aspp, fuse, classifier,
+    upsample; a tuple state). ``children_in_order=True`` (the user gave split points) accepts any
+    other model's top-level children as the chain: the user vouches that they run in order, and
+    :func:`check_blocks` can verify it on an example input. Other models raise a one-line ValueError.
+    """
+    if _is_plain(model, torchvision.models.ResNet, "forward", "_forward_impl"):
+        blocks = _resnet_blocks(model)  # type: ignore[arg-type]
+    elif _is_plain(model, nn.Sequential, "forward"):
+        blocks = list(model.named_children())
+    elif _is_plain(model, ConvAutoencoder, "forward"):
+        blocks = [("encoder", model.encoder), ("decoder", model.decoder)]  # type: ignore[list-item]
+    elif _is_plain(model, DeepLabV3Plus, "forward"):
+        blocks = _deeplab_blocks(model)  # type: ignore[arg-type]
+    elif children_in_order and len(list(model.children())) > 1:
+        blocks = list(model.named_children())
+    else:
+        raise ValueError(f"cannot split {type(model).__name__} into a chain of blocks; {SPLIT_HELP}")
+    return blocks
+
+
+def run_blocks(blocks: Iterable[Block], state: State) -> State:
+    """Apply ``blocks`` in order to ``state`` (the model's input, or a previous block's output)."""
+    for _, block in blocks:
+        state = block(state)
+    return state
+
+
+class Stage(nn.Module):
+    """A contiguous run of blocks as one module, e.g. one pipeline stage.
+
+    Blocks are registered under their names, so a stage of a ResNet or an ``nn.Sequential`` has the
+    model's own state_dict keys; :func:`block_key_map` covers the adapters of other models.
+    ``forward(*state)`` takes the carried tuple spread out, as ``torch.distributed.pipelining``
+    passes a previous stage's tuple output, and returns a tensor or a tuple of tensors.
+    """
+
+    def __init__(self, blocks: Sequence[Block]) -> None:
+        super().__init__()
+        if not blocks:
+            raise ValueError("a Stage needs at least one block")
+        for name, block in blocks:
+            self.add_module(name, block)
+
+    @property
+    def names(self) -> list[str]:
+        return [name for name, _ in self.named_children()]
+
+    def forward(self, *state: torch.Tensor) -> State:
+        return run_blocks(self.named_children(), state[0] if len(state) == 1 else state)
+
+
+def split_stages(blocks: Sequence[Block], split_indices: Sequence[int]) -> list[Stage]:
+    """Cut ``blocks`` before each of ``split_indices`` (as returned by :mod:`gputrain.parallel.partition`)."""
+    bounds = [0, *split_indices, len(blocks)]
+    return [Stage(blocks[a:b]) for a, b in zip(bounds, bounds[1:], strict=False)]
+
+
+def block_key_map(model: nn.Module, blocks: Sequence[Block]) -> dict[str, str]:
+    """``"<block name>.<key in the block's state_dict>"`` -> the model's state_dict key.
+
+    The keys on the left are exactly those of a :class:`Stage` made of these blocks, so
+    ``{key_map[k]: v for k, v in stage.state_dict().items()}`` over all stages is a state_dict of the
+    plain model. Matching is by tensor identity (blocks share the model's parameters and buffers),
+    so it holds for any adapter. Raises ValueError if some model entry belongs to no block (a
+    module the chain would never run) or a block entry is not the model's.
+    """
+    owners: dict[int, list[str]] = {}
+    for key, tensor in model.state_dict(keep_vars=True).items():
+        owners.setdefault(id(tensor), []).append(key)
+    mapping: dict[str, str] = {}
+    for name, block in blocks:
+        for key, tensor in block.state_dict(keep_vars=True).items():
+            candidates = owners.get(id(tensor))
+            if not candidates:
+                raise ValueError(
+                    f"block {name!r} holds {key!r}, which is not in {type(model).__name__}'s state_dict"
+                )
+            # A tied tensor has several model keys: prefer the one ending like the block's key.
+            mapping[f"{name}.{key}"] = next((c for c in candidates if c.endswith(key)), candidates[0])
+    missing = sorted(set(model.state_dict()) - set(mapping.values()))
+    if missing:
+        raise ValueError(
+            f"{len(missing)} state_dict entries of {type(model).__name__} belong to no block (e.g. {missing[0]!r}): "
+            f"the chain of blocks would never run them; {SPLIT_HELP}"
+        )
+    return mapping
+
+
+def to_model_state_dict(
+    stage_states: Iterable[Mapping[str, Any]], key_map: Mapping[str, str]
+) -> dict[str, Any]:
+    """Merge stages' state_dicts into one with the plain model's keys (see :func:`block_key_map`)."""
+    merged: dict[str, Any] = {}
+    for state in stage_states:
+        for key, value in state.items():
+            if key not in key_map:
+                raise ValueError(
+                    f"stage state_dict key {key!r} is not a block key; was the map built for this model?"
+                )
+            merged[key_map[key]] = value
+    return merged
+
+
+def check_blocks(
+    model: nn.Module, blocks: Sequence[Block], example: torch.Tensor, *, atol: float = 1e-6
+) -> float:
+    """Largest difference between ``run_blocks(blocks, example)`` and ``model(example)``, in eval mode.
+
+    Raises ValueError when it exceeds ``atol`` (the children do not run in the order given). Eval
+    mode and no_grad keep BatchNorm statistics and the model's mode as they were.
+    """
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            want, got = model(example), run_blocks(blocks, example)
+    finally:
+        model.train(was_training)
+    if not isinstance(got, torch.Tensor) or got.shape != want.shape:
+        shape = tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__
+        raise ValueError(
+            f"the blocks of {type(model).__name__} return {shape}, the model {tuple(want.shape)}; {SPLIT_HELP}"
+        )
+    diff = (got - want).abs().max().item() if want.numel() else 0.0
+    if diff > atol:
+        raise ValueError(
+            f"the blocks of {type(model).__name__} differ from its forward by {diff:.3g} (> {atol:g}): its top-level "
+            f"children do not run in order; {SPLIT_HELP}"
+        )
+    return diff
