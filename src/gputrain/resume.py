@@ -114,7 +114,8 @@ def load_resume_state(trainer: Trainer, where: str) -> dict[str, Any] | None:
         )
     if not path:
         return None
-    return load_checkpoint(path, map_location=trainer.dist.device) | {"_path": path}
+    # On the CPU: a sharded strategy shards from it, and a replicated one copies it to its device anyway.
+    return load_checkpoint(path, map_location="cpu") | {"_path": path}
 
 
 def resumed_batch_size(saved_global_batch: int, dp_size: int, accumulate: int, batch_size: int,

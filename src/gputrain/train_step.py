@@ -36,6 +36,11 @@ def _empty_like(batch: Any) -> Any:
     return batch
 
 
+def _first_sample_batch(loader: Any, key: Any) -> Any:
+    """A one-sample batch of ``loader``'s dataset, for a rank that must join collectives before it read any."""
+    return loader.collate_fn([loader.dataset[key]])
+
+
 def run_epoch(trainer: Trainer) -> dict[str, float]:
     """Train the steps of the current epoch from ``state.step_in_epoch``; returns the epoch's metrics."""
     t, strategy, state = trainer.cfg.trainer, trainer.strategy, trainer.state
@@ -64,7 +69,11 @@ def run_epoch(trainer: Trainer) -> dict[str, float]:
                 inputs = move_to_device(inputs, strategy.root_device, non_blocking=True)
                 targets = move_to_device(targets, trainer.target_device, non_blocking=True)
                 last_inputs = (inputs, targets)
-            elif join_empty and last_inputs is not None:
+            elif join_empty:
+                if last_inputs is None:  # resumed straight into the short last step: no batch read yet
+                    first = trainer.task.split_batch(_first_sample_batch(trainer.train_loader, (state.epoch, 0)))
+                    last_inputs = (move_to_device(first[0], strategy.root_device),
+                                   move_to_device(first[1], trainer.target_device))
                 inputs, targets = _empty_like(last_inputs[0]), _empty_like(last_inputs[1])
             else:
                 inputs = targets = None
@@ -129,6 +138,11 @@ def evaluate_batches(trainer: Trainer) -> dict[str, float]:
     model.eval()
     evaluator = task.evaluator()
     done, last_inputs, total = 0, None, len(trainer.val_loader)
+    most = total
+    if strategy.eval_in_lockstep:
+        # Forward issues collectives (FSDP gathers parameters), so every rank must run as many forwards:
+        # agree on the count first (after the loop a rank would wait while another is still in a forward).
+        most = int(strategy.all_reduce(torch.tensor([total], device=strategy.root_device), op="max"))
     for batch in trainer.val_loader:
         inputs, targets = task.split_batch(batch)
         inputs = move_to_device(inputs, strategy.root_device, non_blocking=True)
@@ -139,12 +153,12 @@ def evaluate_batches(trainer: Trainer) -> dict[str, float]:
             evaluator.update(outputs, targets, loss, task.batch_size(inputs))
         done, last_inputs = done + 1, inputs
         trainer._call("after_eval_batch", done, total)
-    if strategy.eval_in_lockstep:
-        # Forward issues collectives (FSDP gathers parameters): a rank with a shorter shard runs
-        # empty forwards until every rank has run as many; nothing it computes reaches a metric.
-        most = int(strategy.all_reduce(torch.tensor([done], device=strategy.root_device), op="max"))
-        for _ in range(most - done):
-            if last_inputs is not None:
-                with trainer.precision.forward_context():
-                    model(_empty_like(last_inputs))
+    # A rank with a shorter shard runs empty forwards until it has run as many as the others;
+    # nothing it computes reaches a metric.
+    for _ in range(most - done):
+        if last_inputs is None:  # this rank's shard is empty: shape an empty input from the first sample
+            first = task.split_batch(_first_sample_batch(trainer.val_loader, 0))[0]
+            last_inputs = move_to_device(first, strategy.root_device)
+        with trainer.precision.forward_context():
+            model(_empty_like(last_inputs))
     return evaluator.compute(strategy, trainer.out)
