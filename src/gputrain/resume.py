@@ -95,7 +95,7 @@ def _choose(trainer: Trainer, where: str) -> str:
     choice = ""
     if trainer.dist.is_main:
         if where == "auto":
-            found = checkpoint_store(trainer).latest_valid()
+            found = checkpoint_store(trainer).resume_path()
             choice = str(found) if found else ""
         else:
             choice = where

@@ -1,0 +1,165 @@
+"""Checkpoint save time: CheckpointStore.save (checksum, manifest, last.pt, rotation) vs a plain torch.save.
+
+Figures (issue 11): for a ResNet-50 state with SGD momentum (about 205 MB) and a small conv
+autoencoder state with Adam, the median over interleaved trials of
+
+  * ``torch.save(state, path)``: no fsync, no checksum (the baseline the aim is stated against);
+  * ``durable``: torch.save to a temporary, fsync, rename, fsync the folder (gputrain's atomic_save
+    before the store): what durability alone costs;
+  * ``CheckpointStore.save``: that, plus CRC-32 while writing, ``last.pt`` as a hard link, the
+    manifest written twice (intent, commit) and rotation (keep_last=2, so every save also deletes one);
+
+and the median of per-trial ratios. Each variant writes a new file and the previous one is deleted,
+so none overwrites in place; ``os.sync()`` runs (untimed) after each, so no variant pays for the
+writeback of another's dirty pages. A second table gives checksum throughput, which is why the
+store uses CRC-32. 1 torch thread; wall and CPU time (``time.process_time``) both reported.
+
+    python benchmarks/checkpoint_save.py --pairs 7 --dir runs/bench --json runs/bench/checkpoint_save.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import hashlib
+import json
+import os
+import statistics
+import tempfile
+import time
+import zlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torchvision
+
+from gputrain.checkpoint import CheckpointStore, rng_state
+from gputrain.models.vision import ConvAutoencoder
+
+
+def training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """What a gputrain checkpoint holds, after one step so the optimizer has its buffers."""
+    model(torch.rand(2, 3, 80, 80)).float().mean().backward()
+    optimizer.step()
+    return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "rng": {"0": rng_state()},
+            "state": {"epoch": 1, "global_step": 100, "samples_seen": 3200, "step_in_epoch": 0}, "world_size": 1}
+
+
+def states() -> dict[str, dict[str, Any]]:
+    resnet = torchvision.models.resnet50()
+    small = ConvAutoencoder()
+    return {
+        "ResNet-50 + SGD momentum": training_state(resnet, torch.optim.SGD(resnet.parameters(), lr=0.1, momentum=0.9)),
+        "conv autoencoder + Adam": training_state(small, torch.optim.Adam(small.parameters())),
+    }
+
+
+def durable_save(obj: Any, path: Path) -> None:
+    """gputrain's atomic_save before the store: temporary, fsync, rename, fsync the folder; no checksum."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    with os.fdopen(fd, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    folder = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(folder)
+    finally:
+        os.close(folder)
+
+
+def timed(fn: Callable[[], Any]) -> tuple[float, float]:
+    wall, cpu = time.perf_counter(), time.process_time()
+    fn()
+    return time.perf_counter() - wall, time.process_time() - cpu
+
+
+def compare(state: dict[str, Any], folder: Path, pairs: int) -> dict[str, Any]:
+    store = CheckpointStore(folder / "store", keep_last=2)
+    plain, durable = folder / "plain", folder / "durable"
+    plain.mkdir()
+    durable.mkdir()
+    times: dict[str, list[tuple[float, float]]] = {"torch.save": [], "durable": [], "store.save": []}
+    for i in range(pairs + 1):  # the first round warms caches and allocators and is dropped
+        rounds: dict[str, Callable[[], Any]] = {
+            "torch.save": functools.partial(torch.save, state, plain / f"{i}.pt"),
+            "durable": functools.partial(durable_save, state, durable / f"{i}.pt"),
+            "store.save": functools.partial(store.save, state, name=f"step_{i:06d}"),
+        }
+        order = list(rounds) if i % 2 else list(reversed(rounds))  # alternate who goes first
+        for name in order:
+            result = timed(rounds[name])
+            os.sync()
+            if i:
+                times[name].append(result)
+        for old in (plain / f"{i}.pt", durable / f"{i}.pt"):
+            old.unlink()
+    size = (folder / "store" / "last.pt").stat().st_size
+    median = {name: statistics.median(w for w, _ in rows) for name, rows in times.items()}
+    cpu = {name: statistics.median(c for _, c in rows) for name, rows in times.items()}
+
+    def ratio(a: str, b: str, which: int = 0) -> float:
+        return statistics.median(x[which] / y[which] for x, y in zip(times[a], times[b], strict=True))
+
+    return {"bytes": size, "pairs": pairs, "wall_s": median, "cpu_s": cpu,
+            "store/torch.save": ratio("store.save", "torch.save"),
+            "store/durable": ratio("store.save", "durable"),
+            "durable/torch.save": ratio("durable", "torch.save"),
+            "cpu store/torch.save": ratio("store.save", "torch.save", 1),
+            "cpu store/durable": ratio("store.save", "durable", 1)}
+
+
+def checksum_speeds(megabytes: int = 256) -> dict[str, float]:
+    data = os.urandom(megabytes << 20)
+    algorithms: dict[str, Callable[[bytes], Any]] = {
+        "zlib.crc32": zlib.crc32,
+        "hashlib.sha256": lambda b: hashlib.sha256(b).digest(),
+        "hashlib.blake2b": lambda b: hashlib.blake2b(b).digest(),
+        "hashlib.md5": lambda b: hashlib.md5(b).digest(),
+    }
+    speeds = {}
+    for name, fn in algorithms.items():
+        best = min(timed(functools.partial(fn, data))[0] for _ in range(3))
+        speeds[name] = (megabytes << 20) / 1e9 / best
+    return speeds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--pairs", type=int, default=7, help="interleaved trials per state (at least 5)")
+    parser.add_argument("--dir", default="", help="where to write (default: the system temporary folder)")
+    parser.add_argument("--json", default="")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    if args.dir:
+        Path(args.dir).mkdir(parents=True, exist_ok=True)
+    results: dict[str, Any] = {"save": {}, "checksum_GB_per_s": checksum_speeds()}
+    with tempfile.TemporaryDirectory(prefix="gputrain-ckpt-bench-", dir=args.dir or None) as tmp:
+        for label, state in states().items():
+            folder = Path(tmp) / label.split()[0].lower()
+            folder.mkdir()
+            results["save"][label] = compare(state, folder, args.pairs)
+
+    print("| state | size | torch.save | durable | store.save | store / torch.save | store / durable "
+          "| CPU: store / torch.save | CPU: store / durable |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for label, r in results["save"].items():
+        w = r["wall_s"]
+        print(f"| {label} | {r['bytes'] / 1e6:.1f} MB | {w['torch.save'] * 1e3:.1f} ms | {w['durable'] * 1e3:.1f} ms "
+              f"| {w['store.save'] * 1e3:.1f} ms | {r['store/torch.save']:.2f}x | {r['store/durable']:.2f}x "
+              f"| {r['cpu store/torch.save']:.2f}x | {r['cpu store/durable']:.2f}x |")
+    print(f"\nMedians of {args.pairs} interleaved trials; ratios are medians of per-trial ratios.\n")
+    print("| checksum | GB/s |")
+    print("|---|---:|")
+    for name, speed in results["checksum_GB_per_s"].items():
+        print(f"| {name} | {speed:.2f} |")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,242 @@
+"""The file layer of checkpoints: durable temporaries, CRC-32 while writing, the manifest, checks.
+
+:mod:`gputrain.checkpoint` explains the design; this module holds the pieces it and
+:class:`~gputrain.checkpoint.CheckpointStore` are built from.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import secrets
+import shutil
+import sys
+import zipfile
+import zlib
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import torch
+
+MANIFEST = "manifest.json"
+TEMPORARY = re.compile(r"^\..+\.[A-Za-z0-9_]+\.tmp$")  # ours (token_hex) and the old mkstemp names
+_CHUNK = 8 << 20
+
+
+class _ChecksumWriter:
+    """What ``torch.save`` writes to: passes bytes on to the file, counting them and updating a CRC-32."""
+
+    def __init__(self, file: BinaryIO) -> None:
+        self.file = file
+        self.size = 0
+        self.crc = 0
+
+    def write(self, data: bytes | memoryview) -> int:
+        written = self.file.write(data)
+        self.crc = zlib.crc32(data, self.crc)
+        self.size += written
+        return written
+
+    def flush(self) -> None:
+        self.file.flush()
+
+
+def open_temporary(folder: Path, name: str) -> tuple[Path, int]:
+    """A new ``.<name>.<random>.tmp`` opened for writing with the permissions a plain ``open`` gives."""
+    for _ in range(100):
+        path = folder / f".{name}.{secrets.token_hex(4)}.tmp"
+        try:
+            # O_EXCL: never write into a file someone else holds; 0o666 & ~umask, like open(path, "w").
+            return path, os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"no free temporary name for {name} in {folder}; run remove_stale_temporaries on it")
+
+
+def link_or_copy(src: Path, folder: Path, name: str) -> Path:
+    """A second temporary for ``name`` holding ``src``'s bytes: a hard link (nothing copied) where possible."""
+    for _ in range(100):
+        dst = folder / f".{name}.{secrets.token_hex(4)}.tmp"
+        try:
+            os.link(src, dst)
+            return dst
+        except FileExistsError:
+            continue
+        except OSError:  # file systems without hard links (some FUSE and SMB mounts): copy below
+            break
+    dst, fd = open_temporary(folder, name)
+    os.close(fd)
+    shutil.copyfile(src, dst)
+    with open(dst, "rb+") as f:
+        os.fsync(f.fileno())
+    return dst
+
+
+def write_temporary(obj: Any, folder: Path, name: str) -> tuple[Path, int, str]:
+    """``torch.save`` into a durable temporary of ``folder`` for ``name``: (path, size, crc32 as 8 hex digits)."""
+    path, fd = open_temporary(folder, name)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            writer = _ChecksumWriter(f)
+            torch.save(obj, writer)  # type: ignore[arg-type]  # anything with write() and flush()
+            f.flush()
+            os.fsync(f.fileno())
+            if os.fstat(f.fileno()).st_size != writer.size:  # torch.save seeked: the checksum would not hold
+                raise RuntimeError(f"torch.save wrote {writer.size} bytes but {path} holds a different size")
+    except BaseException:
+        path.unlink(missing_ok=True)
+        raise
+    return path, writer.size, f"{writer.crc:08x}"
+
+
+def write_manifest(folder: Path, manifest: dict[str, Any], *, sync_folder: bool = True) -> None:
+    """Replace the manifest of ``folder`` atomically; strict JSON (NaN is refused, not written).
+
+    ``sync_folder=False`` leaves the rename's durability to the file system's next commit: right
+    for a manifest whose loss in a power cut only brings back the previous one.
+    """
+    data = json.dumps(manifest, indent=1, allow_nan=False).encode() + b"\n"
+    tmp, fd = open_temporary(folder, MANIFEST)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, folder / MANIFEST)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    if sync_folder:
+        fsync_folder(folder)
+
+
+def fsync_folder(folder: Path) -> None:
+    """A rename is durable only once the folder entry is on disk too."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def file_crc32(path: Path) -> str:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            crc = zlib.crc32(chunk, crc)
+    return f"{crc:08x}"
+
+
+def read_manifest(folder: Path) -> dict[str, Any]:
+    """The manifest of ``folder`` ({} when there is none); ValueError naming it when it is unreadable."""
+    path = folder / MANIFEST
+    if not path.is_file():
+        return {}
+
+    def strict(token: str) -> Any:
+        raise ValueError(f"{token} is not JSON")
+
+    try:
+        data = json.loads(path.read_bytes(), parse_constant=strict)
+    except (ValueError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path} is not valid JSON ({err})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("files", {}), dict) \
+            or not isinstance(data.get("pending", {}), dict) or not isinstance(data.get("retire", []), list) or not isinstance(data.get("seq", 0), int):
+        raise ValueError(f"{path} is not a gputrain checkpoint manifest (no 'files' mapping)")
+    for name, entry in [*data.get("files", {}).items(), *data.get("pending", {}).items()]:
+        if not (isinstance(entry, dict) and isinstance(entry.get("size"), int) and isinstance(entry.get("crc32"), str)
+                and isinstance(entry.get("seq"), int)):
+            raise ValueError(f"{path} is not a gputrain checkpoint manifest (entry {name!r} lacks size, crc32 or seq)")
+    return data
+
+
+def check_against(path: Path, entries: list[dict[str, Any]]) -> str | None:
+    """What is wrong with ``path`` given the manifest entries its content may match; None when it matches one.
+
+    Sizes are compared first (cheap); the file is read only when one of them fits.
+    """
+    if not path.is_file():
+        return "missing: listed in manifest.json but not on disk"
+    size = path.stat().st_size
+    if size == 0:
+        return "0 bytes"
+    if not entries:
+        return None
+    fitting = [e for e in entries if e.get("size") == size]
+    if not fitting:
+        want = entries[0].get("size")
+        if isinstance(want, int) and size < want:
+            return f"truncated: {size} of {want} bytes"
+        return f"{size} bytes, manifest.json says {want}"
+    crc = file_crc32(path)
+    if any(e.get("crc32") == crc for e in fitting):
+        return None
+    return f"checksum mismatch: crc32 {crc}, manifest.json says {fitting[0].get('crc32')}"
+
+
+def manifest_entries(path: Path) -> list[dict[str, Any]]:
+    """The manifest entries ``path`` may match: the pending one of a save in flight, then the committed one."""
+    try:
+        manifest = read_manifest(path.parent)
+    except ValueError as err:
+        # The checkpoint itself may be fine; say that it goes unchecked rather than refuse it.
+        print(f"gputrain: warning: {err}; loading {path} without checking its checksum", file=sys.stderr)
+        return []
+    return [e for e in (manifest.get("pending", {}).get(path.name), manifest.get("files", {}).get(path.name))
+            if e is not None]
+
+
+def check_unlisted(path: Path) -> str | None:
+    """Damage in a checkpoint no manifest lists: empty, or a torch zip whose own CRCs do not match."""
+    if path.stat().st_size == 0:
+        return "0 bytes"
+    try:
+        with zipfile.ZipFile(path) as archive:
+            bad = archive.testzip()
+    except (zipfile.BadZipFile, OSError, EOFError) as err:
+        return f"not a whole torch checkpoint ({err})"
+    return f"zip CRC mismatch in record {bad}" if bad else None
+
+
+def manifest_entry(state: dict[str, Any], size: int, crc: str, seq: int, metrics: dict[str, float] | None) -> dict[str, Any]:
+    """A manifest entry for a checkpoint of ``state`` written as ``size`` bytes with CRC-32 ``crc``."""
+    progress = state.get("state")
+    if not isinstance(progress, dict):
+        progress = {}
+    step, epoch = progress.get("global_step"), progress.get("epoch")
+    return {
+        "size": size, "crc32": crc, "seq": seq,
+        "step": int(step) if isinstance(step, int) else None,
+        "epoch": int(epoch) if isinstance(epoch, int) else None,
+        "time": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        # Strict JSON has no NaN: a metric that is not finite is recorded as null.
+        "metrics": {k: (float(v) if math.isfinite(float(v)) else None) for k, v in (metrics or {}).items()},
+    }
+
+
+_PLAIN = (torch.Tensor, int, float, complex, bool, str, bytes, bytearray, type(None), torch.Size, torch.dtype,
+          torch.device)
+
+
+def check_plain(obj: Any, where: str = "state") -> None:
+    """Refuse, naming the entry, anything ``torch.load(weights_only=True)`` would refuse at resume time.
+
+    Checking the types costs about a millisecond; reading the file back would cost a third of the save.
+    """
+    registered = tuple(g[0] if isinstance(g, tuple) else g for g in torch.serialization.get_safe_globals())
+    stack = [(obj, where)]
+    while stack:
+        item, path = stack.pop()
+        if isinstance(item, dict):
+            stack.extend((v, f"{path}[{k!r}]") for k, v in item.items())
+        elif isinstance(item, (list, tuple, set)):
+            stack.extend((v, f"{path}[{i}]") for i, v in enumerate(item))
+        elif not isinstance(item, _PLAIN) and not any(isinstance(item, g) for g in registered if isinstance(g, type)):
+            raise ValueError(
+                f"checkpoint entry {path} is a {type(item).__module__}.{type(item).__qualname__}, which "
+                "torch.load(weights_only=True) refuses; store tensors and plain containers (torch.from_numpy(x), "
+                "x.tolist(), str(x)), or register the type with torch.serialization.add_safe_globals"
+            )

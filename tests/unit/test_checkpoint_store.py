@@ -1,0 +1,260 @@
+"""CheckpointStore and the checkpoint file layer on real files: permissions, manifest, damage, rotation, best."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+
+from gputrain.checkpoint import (
+    CheckpointStore,
+    atomic_save,
+    load_checkpoint,
+    model_weights,
+    remove_stale_temporaries,
+)
+
+
+def _state(step: int, numel: int = 1000) -> dict:
+    return {"model": {"w": torch.full((numel,), float(step))}, "state": {"global_step": step, "epoch": step // 10}}
+
+
+def _manifest(folder: Path) -> dict:
+    def refuse(token: str) -> None:
+        raise AssertionError(f"manifest.json holds {token}, which strict JSON does not allow")
+
+    return json.loads((folder / "manifest.json").read_text(), parse_constant=refuse)
+
+
+def _saved_step(path: Path) -> int:
+    return load_checkpoint(path)["state"]["global_step"]
+
+
+@pytest.fixture
+def umask():
+    def set_umask(mask: int) -> None:
+        os.umask(mask)
+
+    old = os.umask(0o022)
+    yield set_umask
+    os.umask(old)
+
+
+@pytest.mark.parametrize("mask, mode", [(0o022, 0o644), (0o027, 0o640)])
+def test_files_get_the_permissions_a_plain_write_gets(tmp_path, umask, mask, mode):
+    umask(mask)
+    with open(tmp_path / "plain.txt", "w"):
+        pass
+    assert (tmp_path / "plain.txt").stat().st_mode & 0o777 == mode
+    atomic_save(_state(1), tmp_path / "atomic.pt")
+    store = CheckpointStore(tmp_path / "ck", monitor="val/loss")
+    store.save(_state(1), name="epoch_0001", metrics={"val/loss": 1.0})
+    written = [tmp_path / "atomic.pt"] + sorted((tmp_path / "ck").iterdir())
+    assert [p.name for p in written] == ["atomic.pt", "best.pt", "epoch_0001.pt", "last.pt", "manifest.json"]
+    assert {p.name: oct(p.stat().st_mode & 0o777) for p in written} == {p.name: oct(mode) for p in written}
+
+
+def test_stale_temporaries_are_removed_and_nothing_else(tmp_path):
+    stale = [".last.pt.k2j4_x9a.tmp", ".step_000120.pt.3fa9c2d1.tmp", ".manifest.json.0a1b2c3d.tmp"]
+    kept = ["last.pt", "manifest.json", "notes.tmp", ".hidden", "a.pt.tmp"]
+    for name in stale + kept:
+        (tmp_path / name).write_bytes(b"x")
+    assert remove_stale_temporaries(tmp_path) == sorted(tmp_path / n for n in stale)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(kept)
+    assert remove_stale_temporaries(tmp_path / "absent") == []
+
+
+def test_save_writes_numbered_last_and_a_manifest_of_sizes_and_checksums(tmp_path):
+    store = CheckpointStore(tmp_path)
+    path = store.save(_state(120), name="step_000120", metrics={"train/loss": 0.5, "val/loss": float("nan")})
+    assert path == tmp_path / "step_000120.pt"
+    assert (tmp_path / "last.pt").read_bytes() == path.read_bytes()
+    files = _manifest(tmp_path)["files"]
+    assert set(files) == {"step_000120.pt", "last.pt"}
+    for name, entry in files.items():
+        data = (tmp_path / name).read_bytes()
+        assert entry["size"] == len(data)
+        assert entry["crc32"] == f"{zlib.crc32(data):08x}"  # the checksum of the bytes on disk, as written
+        assert (entry["step"], entry["epoch"]) == (120, 12)
+        assert entry["metrics"] == {"train/loss": 0.5, "val/loss": None}  # NaN is not JSON: null
+    assert files["last.pt"]["same_as"] == "step_000120.pt"
+    assert torch.equal(load_checkpoint(tmp_path / "last.pt")["model"]["w"], torch.full((1000,), 120.0))
+    assert store.latest_valid() == path
+
+
+def test_an_empty_name_writes_only_last(tmp_path):
+    store = CheckpointStore(tmp_path)
+    assert store.save(_state(1), name="") == tmp_path / "last.pt"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.pt", "manifest.json"]
+    with pytest.raises(ValueError, match="checkpoint name 'last'"):
+        store.save(_state(2), name="last")
+    with pytest.raises(ValueError, match="checkpoint name '../x'"):
+        store.save(_state(2), name="../x")
+
+
+def _truncate(path: Path) -> str:
+    size = path.stat().st_size
+    with open(path, "r+b") as f:
+        f.truncate(size - 100)
+    return f"truncated: {size - 100} of {size} bytes"
+
+
+def _flip(path: Path) -> str:
+    with open(path, "r+b") as f:  # in place: last.pt, a hard link of the same file, is damaged too
+        f.seek(path.stat().st_size // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x04]))
+    return "checksum mismatch"
+
+
+def _empty(path: Path) -> str:
+    with open(path, "r+b") as f:
+        f.truncate(0)
+    return "0 bytes"
+
+
+@pytest.mark.parametrize("damage", [_truncate, _flip, _empty])
+def test_damaged_checkpoints_are_named_refused_and_skipped(tmp_path, damage, capsys):
+    store = CheckpointStore(tmp_path)
+    for step in (10, 20, 30):
+        store.save(_state(step), name=f"step_{step:06d}")
+    newest = tmp_path / "step_000030.pt"
+    reason = damage(newest)
+    for path in (newest, tmp_path / "last.pt"):
+        with pytest.raises(ValueError, match=f"checkpoint {path} is damaged \\({reason}.*--resume auto skips it"):
+            load_checkpoint(path)
+    with pytest.raises(ValueError, match=reason):
+        model_weights(newest)
+    assert store.latest_valid() == tmp_path / "step_000020.pt"
+    assert [(p.name, reason in why) for p, why in store.skipped] == [("step_000030.pt", True), ("last.pt", True)]
+    assert f"skipping checkpoint {newest}: {reason}" in capsys.readouterr().err
+    assert _saved_step(tmp_path / "step_000020.pt") == 20
+
+
+def test_bit_flip_that_torch_load_accepts_is_caught(tmp_path):
+    store = CheckpointStore(tmp_path)
+    path = store.save(_state(1), name="step_000001")
+    data = bytearray(path.read_bytes())
+    data[data.find(torch.full((1,), 1.0).numpy().tobytes()) + 200] ^= 0x10  # inside the tensor's bytes
+    path.unlink()  # a new file, so last.pt (a hard link of the old one) keeps the good bytes
+    path.write_bytes(bytes(data))
+    assert (torch.load(path, weights_only=True)["model"]["w"] != 1.0).sum() == 1  # torch alone would not notice
+    with pytest.raises(ValueError, match="checksum mismatch"):
+        load_checkpoint(path)
+    assert store.latest_valid() == tmp_path / "last.pt"
+
+
+def test_files_no_manifest_lists_load_unchecked_and_are_still_found(tmp_path, capsys):
+    store = CheckpointStore(tmp_path / "run")
+    store.save(_state(5), name="step_000005")
+    copy = tmp_path / "elsewhere" / "step_000005.pt"
+    copy.parent.mkdir()
+    shutil.copyfile(tmp_path / "run" / "step_000005.pt", copy)
+    assert _saved_step(copy) == 5
+    # A folder written before manifests existed: newest by modification time, damage found by torch's zip CRCs.
+    legacy = tmp_path / "legacy"
+    atomic_save(_state(1), legacy / "epoch_0001.pt")
+    atomic_save(_state(2), legacy / "last.pt")
+    os.utime(legacy / "epoch_0001.pt", (1, 1))
+    assert CheckpointStore(legacy).latest_valid() == legacy / "last.pt"
+    _flip(legacy / "last.pt")
+    found = CheckpointStore(legacy)
+    assert found.latest_valid() == legacy / "epoch_0001.pt"
+    assert "zip CRC mismatch" in found.skipped[0][1]
+    # An unreadable manifest is reported, and the checkpoints are still found.
+    (tmp_path / "run" / "manifest.json").write_text("{not json")
+    store = CheckpointStore(tmp_path / "run")
+    assert store.latest_valid() == tmp_path / "run" / "step_000005.pt"
+    assert store.skipped[0][0].name == "manifest.json"
+    assert "manifest.json is not valid JSON" in capsys.readouterr().err
+    (tmp_path / "run" / "manifest.json").write_text('{"files": {"last.pt": {"size": "12"}}}')
+    assert store.latest_valid() == tmp_path / "run" / "step_000005.pt"
+    assert "entry 'last.pt' lacks size, crc32 or seq" in store.skipped[0][1]
+    store.save(_state(6), name="step_000006")  # a new manifest replaces the broken one
+    assert _manifest(tmp_path / "run")["files"]["step_000006.pt"]["step"] == 6
+
+
+def test_keep_last_keeps_the_newest_numbered_by_save_order(tmp_path):
+    store = CheckpointStore(tmp_path, keep_last=2)
+    for step in (10, 20, 30, 40):
+        store.save(_state(step), name=f"step_{step:06d}")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.pt", "manifest.json", "step_000030.pt",
+                                                         "step_000040.pt"]
+    assert set(_manifest(tmp_path)["files"]) == {"last.pt", "step_000030.pt", "step_000040.pt"}
+    # Resumed from step 30 after step 40 went bad: the new saves are the newest, whatever their step.
+    store.save(_state(35), name="step_000035")
+    assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_000035.pt", "step_000040.pt"]
+    assert store.latest_valid() == tmp_path / "step_000035.pt"
+    store.save(_state(35), name="step_000035")  # saved again under the same name (an interrupt, say)
+    assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_000035.pt", "step_000040.pt"]
+
+
+@pytest.mark.parametrize("keep", [1, 0, -1])
+def test_keep_last_below_two_is_refused(tmp_path, keep):
+    with pytest.raises(ValueError, match=f"trainer.keep_last={keep} is too few.*at least 2"):
+        CheckpointStore(tmp_path, keep_last=keep)
+    with pytest.raises(ValueError, match="trainer.monitor_mode='lowest' is neither"):
+        CheckpointStore(tmp_path, monitor="val/loss", monitor_mode="lowest")
+
+
+@pytest.mark.parametrize("mode, values, best", [("min", [3.0, 1.0, 2.0, float("nan")], 2),
+                                                ("max", [0.5, 0.9, 0.7, float("inf")], 2)])
+def test_best_follows_the_monitored_metric(tmp_path, mode, values, best):
+    store = CheckpointStore(tmp_path, keep_last=2, monitor="val/metric", monitor_mode=mode)
+    for i, value in enumerate(values, start=1):
+        store.save(_state(i), name=f"epoch_{i:04d}", metrics={"val/metric": value})
+    store.save(_state(9), name="step_000009")  # no metrics: best.pt untouched
+    assert _saved_step(tmp_path / "best.pt") == best  # its numbered twin was rotated away; best.pt stays
+    assert not (tmp_path / f"epoch_{best:04d}.pt").exists()
+    entry = _manifest(tmp_path)["files"]["best.pt"]
+    assert (entry["metrics"]["val/metric"], entry["monitor_mode"]) == (values[best - 1], mode)
+
+
+def test_malicious_pickle_is_refused_and_runs_nothing(tmp_path):
+    sentinel = tmp_path / "pwned"
+
+    class Exploit:
+        def __reduce__(self):
+            return (os.system, (f"touch {sentinel}",))
+
+    (tmp_path / "raw.pt").write_bytes(pickle.dumps({"model": Exploit()}, protocol=2))
+    torch.save({"model": Exploit()}, tmp_path / "zipped.pt")  # torch's own format around the same payload
+    for name in ("raw.pt", "zipped.pt"):
+        with pytest.raises(ValueError, match=f"{name} cannot be loaded safely"):
+            load_checkpoint(tmp_path / name)
+    store = CheckpointStore(tmp_path)
+    assert store.latest_valid() == tmp_path / "zipped.pt"  # whole (its loading is what refuses it)
+    assert [(p.name, "not a whole torch checkpoint" in why) for p, why in store.skipped] == [("raw.pt", True)]
+    assert not sentinel.exists()
+
+
+def test_resume_never_silently_starts_over_when_every_checkpoint_is_damaged(tmp_path):
+    store = CheckpointStore(tmp_path / "ck")
+    assert store.resume_path() is None  # no folder yet: a fresh start
+    for step in (1, 2):
+        store.save(_state(step), name=f"step_{step:06d}")
+    for path in (tmp_path / "ck").glob("step_*.pt"):
+        _empty(path)  # last.pt, a hard link of step_000002.pt, goes too
+    assert store.latest_valid() is None
+    with pytest.raises(ValueError, match="no usable checkpoint in .*step_000002.pt \\(0 bytes\\).*--resume PATH"):
+        store.resume_path()
+
+
+def test_state_that_weights_only_would_refuse_is_refused_at_save(tmp_path):
+    import numpy as np
+
+    store = CheckpointStore(tmp_path)
+    bad = _state(1) | {"rng": {"0": {"numpy": np.random.get_state()}}}
+    with pytest.raises(ValueError, match=r"entry state\['rng'\]\['0'\]\['numpy'\]\[1\] is a numpy.ndarray"):
+        store.save(bad, name="step_000001")
+    assert list(tmp_path.iterdir()) == []  # nothing written, not even a temporary
+    ok = _state(1) | {"extra": [(1, 2.5, None, "s", {3}), torch.Size([2]), torch.float16, torch.device("cpu")]}
+    store.save(ok, name="step_000001")
+    assert load_checkpoint(tmp_path / "step_000001.pt")["extra"][0] == (1, 2.5, None, "s", {3})
