@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test lint bench clean
+.PHONY: venv demo test lint mutants bench clean
 
 $(STAMP): requirements.txt requirements-dev.txt pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -24,7 +24,12 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q --durations=20
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff check src tests benchmarks scripts
+	$(BIN)/mypy
+
+## mutants: plant each known fault in a copy of the code, one at a time; fails if a fast test misses one (docs/testing.md)
+mutants: $(STAMP)
+	$(BIN)/python scripts/mutants.py
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/overhead.py

@@ -75,9 +75,9 @@ class StopAtStep(Hook):
 
 def train(out: Path | str, *, strategy: str = "single", devices: int = 1, batch_size: int = 16, n: int = 37,
           accumulate: int = 1, epochs: int = 2, workers: int = 0, resume: str = "", hooks: list[Hook] | None = None,
-          **trainer: Any) -> tuple[dict[str, torch.Tensor], list[int], Trainer]:
+          parallel: ParallelConfig | None = None, **trainer: Any) -> tuple[dict[str, torch.Tensor], list[int], Trainer]:
     """Train ``small_cnn`` on ``NoisyPoints(n)``; returns final weights, trained ids and the trainer."""
-    cfg = RunConfig(optim=OptimConfig(name="sgd", lr=0.2, momentum=0.9), parallel=ParallelConfig())
+    cfg = RunConfig(optim=OptimConfig(name="sgd", lr=0.2, momentum=0.9), parallel=parallel or ParallelConfig())
     cfg.data.num_workers = workers
     task = RecordingTask()
     run = Trainer(cfg, hooks=hooks, strategy=strategy, devices=devices, accelerator="cpu", batch_size=batch_size,

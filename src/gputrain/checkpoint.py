@@ -124,6 +124,10 @@ def model_weights(path: str | Path) -> dict[str, torch.Tensor]:
     path = Path(path)
     verify(path)
     state = torch.load(path, map_location="cpu", weights_only=True)
+    if isinstance(state, dict) and state.get("sharded"):  # model and optimizer live in a DCP folder beside it
+        from gputrain.strategies.fsdp_checkpoint import dcp_to_full
+
+        return dcp_to_full(path.parent / state["sharded"])["model"]
     if isinstance(state, dict) and "model" in state and isinstance(state["model"], dict):
         return state["model"]
     if isinstance(state, dict) and all(isinstance(v, torch.Tensor) for v in state.values()):

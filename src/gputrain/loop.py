@@ -11,10 +11,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
@@ -102,8 +103,11 @@ class Trainer:
 
     def _loader(self, data: Dataset, *, train: bool) -> DataLoader:
         t, workers = self.cfg.trainer, self.cfg.data.num_workers
+        # A generator of the loader's own: starting an epoch's iterator draws a worker seed from it, which
+        # from the global generator would shift dropout's stream and break a mid-epoch resume.
         common: dict[str, Any] = dict(collate_fn=self.task.collate_fn(), num_workers=workers,
-                                      pin_memory=self.dist.device.type == "cuda", persistent_workers=workers > 0)
+                                      pin_memory=self.dist.device.type == "cuda", persistent_workers=workers > 0,
+                                      generator=torch.Generator().manual_seed(t.seed))
         if not train:
             return DataLoader(data, batch_size=t.eval_batch_size or t.batch_size,
                               sampler=self.strategy.eval_sampler(len(data)), **common)  # type: ignore[arg-type]

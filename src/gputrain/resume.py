@@ -60,12 +60,18 @@ def raise_non_finite(trainer: Trainer, what: str) -> None:
     )
 
 
-def checkpoint_state(trainer: Trainer) -> dict[str, Any]:
-    """Everything needed to continue the run exactly; plain containers and tensors only (a collective)."""
+def checkpoint_state(trainer: Trainer, sharded: str = "") -> dict[str, Any]:
+    """Everything needed to continue the run exactly; plain containers and tensors only (a collective).
+
+    With ``sharded`` (a DCP folder name beside the file), model and optimizer are in that folder instead.
+    """
     gathered = trainer.strategy.gather_objects(rng_state())
-    return {
+    weights: dict[str, Any] = {"model": {}, "optimizer": {}, "sharded": sharded} if sharded else {
         "model": trainer.strategy.model_state_dict(trainer.module),
         "optimizer": trainer.strategy.optimizer_state_dict(trainer.module, trainer.optimizer),
+    }
+    return {
+        **weights,
         "scheduler": trainer.scheduler.state_dict(),
         "precision": trainer.precision.state_dict(),
         "state": dataclasses.asdict(trainer.state),
@@ -84,10 +90,38 @@ def save_checkpoint(trainer: Trainer, name: str, metrics: dict[str, float] | Non
     if not all_finite(trainer, (metrics or {}).get("train/loss")):
         raise_non_finite(trainer, "the loss, weights or optimizer state")
     trainer.strategy.prepare_eval(trainer.module)  # rank 0's buffers are the ones saved: all ranks adopt them
-    state = checkpoint_state(trainer)
+    sharded = ""
+    if trainer.cfg.parallel.sharded_checkpoint:
+        from gputrain.strategies.fsdp_checkpoint import save_sharded
+
+        # A new folder per save (never last.dcp rewritten in place): a crash mid-write leaves the
+        # previous checkpoint and its folder whole. Folders no checkpoint file names any more are pruned.
+        sharded = f"{name or f'step_{trainer.state.global_step:06d}'}.dcp"
+        save_sharded(trainer.strategy, trainer.module, trainer.optimizer, store.folder / sharded)
+        trainer.strategy.barrier()
+    state = checkpoint_state(trainer, sharded)
     path = store.save(state, name=name, metrics=metrics) if trainer.dist.is_main else None
+    if sharded and trainer.dist.is_main:
+        _prune_sharded_folders(store.folder)
     trainer.strategy.barrier()
     return path
+
+
+def _prune_sharded_folders(folder: Path) -> None:
+    """Delete DCP folders that no checkpoint file in ``folder`` refers to (rotated away)."""
+    import shutil
+
+    import torch
+
+    used = set()
+    for pt in folder.glob("*.pt"):
+        try:
+            used.add(torch.load(pt, map_location="cpu", weights_only=True).get("sharded", ""))
+        except Exception:  # noqa: BLE001  (a damaged file refers to nothing we can trust)
+            continue
+    for dcp_folder in folder.glob("*.dcp"):
+        if dcp_folder.name not in used:
+            shutil.rmtree(dcp_folder, ignore_errors=True)
 
 
 def _choose(trainer: Trainer, where: str) -> str:
@@ -142,8 +176,13 @@ def apply_resume_state(trainer: Trainer, state: dict[str, Any]) -> None:
             f"optim.name={trainer.cfg.optim.name}; resume with the same optimizer, or load only the weights "
             "(model.kwargs.weights_path) to start a new run"
         )
-    trainer.strategy.load_model_state_dict(trainer.module, state["model"])
-    trainer.strategy.load_optimizer_state_dict(trainer.module, trainer.optimizer, state["optimizer"])
+    if state.get("sharded"):
+        from gputrain.strategies.fsdp_checkpoint import load_sharded
+
+        load_sharded(trainer.strategy, trainer.module, trainer.optimizer, Path(path).parent / state["sharded"])
+    else:
+        trainer.strategy.load_model_state_dict(trainer.module, state["model"])
+        trainer.strategy.load_optimizer_state_dict(trainer.module, trainer.optimizer, state["optimizer"])
     trainer.scheduler.load_state_dict(state["scheduler"])
     trainer.precision.load_state_dict(state.get("precision", {}))
     known = {f.name for f in dataclasses.fields(TrainState)}

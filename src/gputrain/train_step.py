@@ -9,6 +9,7 @@ for any dataset size, world size and accumulation, including the epoch's short l
 from __future__ import annotations
 
 import math
+import re
 import time
 import warnings
 from typing import TYPE_CHECKING, Any
@@ -124,7 +125,7 @@ def optimizer_step(trainer: Trainer) -> None:
         # GradScaler skipped a step on inf/NaN gradients: the schedule still counts it, and torch's
         # "lr_scheduler.step() before optimizer.step()" warning would describe our own choice.
         if not stepped:
-            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()` before")
+            warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()` before"))
         trainer.scheduler.step()
     trainer.state.global_step += 1
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from autoencoder_runs import _Images, _max_diff, _train
 from gputrain.dist import DistInfo
 from gputrain.precision import build_precision
 from gputrain.strategies import DataParallel
 from gputrain.strategies.dp import check_targets_on_output_device
-from test_parity import _Images, _max_diff, _train
 
 pytestmark = pytest.mark.cuda
 CUDA0 = torch.device("cuda", 0)

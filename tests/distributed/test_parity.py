@@ -5,54 +5,14 @@ from __future__ import annotations
 import json
 
 import torch
-from torch.utils.data import TensorDataset
 
-from gputrain import Trainer
-from gputrain.config import OptimConfig, RunConfig
+from autoencoder_runs import _max_diff, _train
 from gputrain.models.vision import ConvAutoencoder
-from gputrain.tasks.autoencoder import ReconstructionTask
 from multiproc import run_ranks
-
-N_IMAGES = 64
-
-
-def _data() -> TensorDataset:
-    g = torch.Generator().manual_seed(123)
-    return TensorDataset(torch.rand(N_IMAGES, 3, 20, 20, generator=g))
-
-
-class _Images(torch.utils.data.Dataset):
-    """Bare tensors (the autoencoder's batches are images, not tuples)."""
-
-    def __init__(self) -> None:
-        self.x = _data().tensors[0]
-
-    def __len__(self) -> int:
-        return len(self.x)
-
-    def __getitem__(self, i: int) -> torch.Tensor:
-        return self.x[i]
-
-
-def _train(out: str, strategy: str, devices: int, batch_size: int, accumulate: int = 1, epochs: int = 2,
-           resume: str = "") -> dict[str, torch.Tensor]:
-    torch.manual_seed(0)
-    model = ConvAutoencoder()
-    cfg = RunConfig(optim=OptimConfig(name="sgd", lr=0.5, momentum=0.9))
-    trainer = Trainer(cfg, strategy=strategy, devices=devices, accelerator="cpu", batch_size=batch_size,
-                      accumulate_grad_batches=accumulate, epochs=epochs, out=out, progress_bar=False,
-                      loggers=[], resume=resume, log_every_n_steps=1)
-    trainer.fit(model, _Images(), _Images(), task=ReconstructionTask())
-    return {k: v.clone() for k, v in trainer.strategy.model_state_dict(trainer.module).items()}
 
 
 def _ddp_worker(info, out: str, batch_size: int):
     return _train(out, "ddp", 2, batch_size)
-
-
-def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    assert a.keys() == b.keys()
-    return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
 def test_ddp_two_ranks_equals_one_process_with_double_batch(tmp_path):
@@ -93,7 +53,9 @@ def test_resume_from_mid_run_checkpoint_matches_uninterrupted(tmp_path):
 
 def test_saved_weights_have_no_module_prefix(tmp_path):
     run_ranks(_ddp_worker, str(tmp_path / "ddp"), 8)
-    for path in (tmp_path / "ddp" / "checkpoints").glob("*.pt"):
+    folder = tmp_path / "ddp" / "checkpoints"
+    assert sorted(p.name for p in folder.glob("*.pt")) == ["epoch_0001.pt", "epoch_0002.pt", "last.pt"]
+    for path in folder.glob("*.pt"):
         state = torch.load(path, weights_only=True)
         assert state["model"]
         assert not any(k.startswith("module.") for k in state["model"])

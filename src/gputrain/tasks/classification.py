@@ -46,8 +46,9 @@ def _classfolder(cfg: RunConfig) -> tuple:
         if val.classes != classes:
             raise ValueError(f"data.val_root={cfg.data.val_root} has classes {val.classes} but data.root has {classes}")
     else:
-        train, val = split_classfolder(cfg.data.root, val_fraction=cfg.data.val_fraction, seed=cfg.data.split_seed,
-                                       train_transform=train_tf, val_transform=val_tf)
+        # Subsets of one ClassFolder here (the caller needs only Datasets); typed as in the branch above.
+        train, val = split_classfolder(cfg.data.root, val_fraction=cfg.data.val_fraction,  # type: ignore[assignment]
+                                       seed=cfg.data.split_seed, train_transform=train_tf, val_transform=val_tf)
         classes = train.dataset.classes
     return train, val, len(classes)
 

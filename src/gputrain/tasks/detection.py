@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -37,7 +37,8 @@ class DetectionTask(Task):
         return model(inputs, targets)
 
     def loss(self, outputs: dict[str, torch.Tensor], targets: Any) -> torch.Tensor:
-        return sum(outputs.values())
+        # sum() starts from the int 0; Mask R-CNN always returns losses, so the result is a tensor.
+        return cast(torch.Tensor, sum(outputs.values()))
 
     def evaluate_batch(self, model: nn.Module, inputs: Any, targets: Any) -> tuple[Any, None]:
         return model(inputs), None

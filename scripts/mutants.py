@@ -1,0 +1,234 @@
+"""Plant each known fault in a copy of the repository and check that a fast test catches it.
+
+``make mutants`` runs this. For every fault in :data:`FAULTS` it copies ``src/``, ``tests/`` and
+``pyproject.toml`` to a temporary folder, applies the fault (exact text replacements in one file),
+runs the few fast tests chosen to catch it with ``PYTHONPATH`` pointing at the copy, and prints a
+table: fault, the first test that failed, seconds. It exits 1 when a fault survives (every chosen
+test passed), when a run times out, when the chosen tests fail without any fault (the baseline), or
+when a fault's text no longer occurs exactly once in its file, so the list cannot rot silently:
+after a refactor, update the pattern to plant the same fault in the new code.
+
+    python scripts/mutants.py            # every fault
+    python scripts/mutants.py -k resume  # faults whose name contains "resume"
+    python scripts/mutants.py --list     # the faults and their tests, without running anything
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+UNIT = "tests/unit/test_promises.py"
+MAP = "tests/unit/test_map_known_answers.py"
+DIST = "tests/distributed/test_promises_distributed.py"
+
+RESUME_TESTS = (f"{DIST}::test_resume_in_one_process_equals_the_uninterrupted_run",
+                f"{DIST}::test_resume_on_two_ranks_equals_the_uninterrupted_run")
+PARITY_TEST = f"{DIST}::test_ddp_with_an_idle_rank_in_the_last_step_equals_one_process"
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One planted fault: exact replacements in one file, and the fast tests that must catch it."""
+
+    name: str
+    file: str
+    replacements: tuple[tuple[str, str], ...]
+    tests: tuple[str, ...]
+    """pytest node ids, cheapest first (the run stops at the first failure)."""
+
+
+FAULTS: tuple[Fault, ...] = (
+    # -- issue 10's table --------------------------------------------------------------------
+    Fault("eval sampler pads like DistributedSampler", "src/gputrain/strategies/base.py",
+          (("return EvalSampler(length, rank=self.dp_rank, world_size=self.dp_size)",
+            "return torch.utils.data.DistributedSampler(range(length), num_replicas=self.dp_size, "
+            "rank=self.dp_rank, shuffle=False)"),),
+          (f"{DIST}::test_ddp_evaluation_counts_every_sample_once",)),
+    Fault("DDP syncs gradients on every micro-batch", "src/gputrain/strategies/ddp.py",
+          (("module.require_backward_grad_sync = enabled", "module.require_backward_grad_sync = True"),),
+          (f"{DIST}::test_accumulation_all_reduces_gradients_once_per_step",)),
+    Fault("RNG state not restored on resume", "src/gputrain/resume.py",
+          (("set_rng_state(rng[str(trainer.dist.rank)])", "pass"),), RESUME_TESTS),
+    Fault("scheduler state not restored on resume", "src/gputrain/resume.py",
+          (('trainer.scheduler.load_state_dict(state["scheduler"])', "pass"),), RESUME_TESTS),
+    Fault("GradScaler state not restored on resume", "src/gputrain/resume.py",
+          (('trainer.precision.load_state_dict(state.get("precision", {}))', "pass"),), RESUME_TESTS),
+    Fault("SyncBatchNorm conversion dropped", "src/gputrain/loop.py",
+          (("model = convert_sync_batchnorm(model, self.dist.device.type)", "model = model"),),
+          (f"{DIST}::test_sync_batchnorm_gives_the_running_stats_of_global_batchnorm",)),
+    Fault("mAP box conversion off by one pixel", "src/gputrain/metrics/detection.py",
+          (("boxes[:, 2:] - boxes[:, :2]], dim=1)", "boxes[:, 2:] - boxes[:, :2] + 1], dim=1)"),),
+          (MAP,)),
+    Fault("no checkpoint written", "src/gputrain/loop.py",
+          (("hooks.append(CheckpointHook(t.checkpoint_every_n_epochs))", "pass"),),
+          (f"{UNIT}::test_checkpoints_are_written_with_the_expected_names",)),
+    # -- the three guarantees issue 10 fixed ----------------------------------------------------
+    Fault("no buffer sync before evaluation (DDP)", "src/gputrain/strategies/ddp.py",
+          (("dist.broadcast(buffer, src=0)", "pass"),),
+          (f"{DIST}::test_ddp_validation_equals_evaluating_the_saved_checkpoint_in_one_process",)),
+    Fault("non-finite check removed from save_checkpoint", "src/gputrain/resume.py",
+          (('if not all_finite(trainer, (metrics or {}).get("train/loss")):', "if False:"),),
+          (f"{UNIT}::test_divergence_inside_an_epoch_writes_nothing_non_finite",)),
+    Fault("non-finite weights check removed from the epoch end", "src/gputrain/train_step.py",
+          (("if not math.isfinite(epoch_loss) or not all_finite(trainer):", "if not math.isfinite(epoch_loss):"),),
+          (f"{UNIT}::test_divergence_without_checkpointing_still_fails",)),
+    Fault("checkpoint files mode 0600", "src/gputrain/checkpoint_io.py",
+          (('getattr(os, "O_CLOEXEC", 0), 0o666)', 'getattr(os, "O_CLOEXEC", 0), 0o600)'),),
+          (f"{UNIT}::test_checkpoints_are_written_with_the_expected_names",)),
+    Fault("stale checkpoint temporaries kept", "src/gputrain/loop.py",
+          (('remove_stale_temporaries(self.out / "checkpoints")', "pass"),),
+          (f"{UNIT}::test_a_killed_save_leaves_no_temporary_after_the_next_start",)),
+    # -- promises added since ----------------------------------------------------------------
+    Fault("gradients summed over ranks (loss weight x dp)", "src/gputrain/train_step.py",
+          (("weight=n * dp / n_step", "weight=n * dp * dp / n_step"),), (PARITY_TEST,)),
+    Fault("hand-averaged gradients summed (no division)", "src/gputrain/strategies/base.py",
+          (("flat /= self.dp_size", "flat /= 1"),), (PARITY_TEST,)),
+    Fault("optimizer state not restored on resume", "src/gputrain/resume.py",
+          (('trainer.strategy.load_optimizer_state_dict(trainer.module, trainer.optimizer, state["optimizer"])',
+            "pass"),), RESUME_TESTS),
+    Fault("unsynced replicas (DDP replaced by the bare module)", "src/gputrain/strategies/ddp.py",
+          (("return DistributedDataParallel(", "return model; DistributedDataParallel("),), (PARITY_TEST,)),
+    Fault("padded training order (last step filled with the epoch's head)", "src/gputrain/data/samplers.py",
+          (("self.order = epoch_permutation(n, seed, epoch, shuffle)",
+            "self.order = epoch_permutation(n, seed, epoch, shuffle)\n"
+            "        self.order += self.order[:-n % (batch_size * dp_size * accumulate)]"),
+           ("usable = (n // self.global_batch) * self.global_batch if drop_last else n",
+            "usable = (n // self.global_batch) * self.global_batch if drop_last else len(self.order)")),
+          (f"{UNIT}::test_training_reads_every_sample_once_per_epoch",)),
+)
+
+
+def check_patterns(faults: tuple[Fault, ...]) -> list[str]:
+    """One line per replacement whose text does not occur exactly once in its file (the list rotted)."""
+    problems = []
+    for fault in faults:
+        path = ROOT / fault.file
+        if not path.is_file():
+            problems.append(f"{fault.name}: {fault.file} does not exist")
+            continue
+        text = path.read_text()
+        for old, _ in fault.replacements:
+            count = text.count(old)
+            if count != 1:
+                problems.append(f"{fault.name}: {old!r} occurs {count} times in {fault.file} (expected once); "
+                                "update the pattern so it plants the same fault in the current code")
+    return problems
+
+
+def make_copy(parent: Path) -> Path:
+    """``src/``, ``tests/`` and ``pyproject.toml`` (pytest's options) under ``parent``."""
+    ignore = shutil.ignore_patterns("__pycache__", "*.egg-info", ".pytest_cache")
+    shutil.copytree(ROOT / "src", parent / "src", ignore=ignore)
+    shutil.copytree(ROOT / "tests", parent / "tests", ignore=ignore)
+    shutil.copy2(ROOT / "pyproject.toml", parent / "pyproject.toml")
+    return parent
+
+
+def plant(copy: Path, fault: Fault) -> None:
+    path = copy / fault.file
+    text = path.read_text()
+    for old, new in fault.replacements:
+        text = text.replace(old, new, 1)
+    path.write_text(text)
+
+
+_FAILED = re.compile(r"^(FAILED|ERROR) (\S+)(?: - (.*))?$", re.MULTILINE)
+
+
+def run_tests(copy: Path, tests: tuple[str, ...], timeout_s: float) -> tuple[str, str, float, str]:
+    """Run ``tests`` in ``copy``: (outcome, first failing test and why, seconds, output).
+
+    The outcome is ``passed``, ``failed``, ``timeout`` or an error of pytest itself (no test ran).
+    """
+    env = os.environ | {"PYTHONPATH": str(copy / "src"), "COLUMNS": "300", "OMP_NUM_THREADS": "1",
+                        "PYTHONDONTWRITEBYTECODE": "1"}
+    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "--tb=line", "-rfE",
+           "-W", "ignore::UserWarning", *tests]
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, cwd=copy, env=env, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired as err:
+        out = (err.stdout or b"").decode() if isinstance(err.stdout, bytes) else (err.stdout or "")
+        return "timeout", "", time.perf_counter() - start, out
+    seconds = time.perf_counter() - start
+    output = proc.stdout + proc.stderr
+    if proc.returncode == 0:
+        return "passed", "", seconds, output
+    match = _FAILED.search(output)
+    if proc.returncode in (1, 2) and match:  # 1: a test failed; 2: interrupted by -x after an error
+        why = (match.group(3) or "").strip()
+        return "failed", match.group(2) + (f" - {why[:150]}" if why else ""), seconds, output
+    return f"error (pytest exit {proc.returncode})", "", seconds, output
+
+
+def short(node: str) -> str:
+    return node.removeprefix("tests/").replace(".py::", "::")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("-k", dest="match", default="", help="only faults whose name contains this text")
+    parser.add_argument("--list", action="store_true", help="list the faults and their tests, run nothing")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds per fault before it counts as failed")
+    parser.add_argument("--no-baseline", action="store_true", help="skip the run of the chosen tests without faults")
+    args = parser.parse_args(argv)
+    faults = tuple(f for f in FAULTS if args.match.lower() in f.name.lower())
+    if not faults:
+        print(f"mutants: no fault name contains {args.match!r}", file=sys.stderr)
+        return 2
+    if args.list:
+        for f in faults:
+            print(f"{f.name}\n    {f.file}\n    " + "\n    ".join(short(t) for t in f.tests))
+        return 0
+    problems = check_patterns(faults)
+    if problems:
+        print("mutants: the fault list no longer matches the source:\n  " + "\n  ".join(problems), file=sys.stderr)
+        return 1
+    total = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="gputrain-mutants-") as tmp:
+        if not args.no_baseline:
+            tests = tuple(dict.fromkeys(t for f in faults for t in f.tests))
+            outcome, failed, seconds, output = run_tests(make_copy(Path(tmp) / "baseline"), tests, args.timeout * 2)
+            print(f"baseline (no fault, {len(tests)} test selections): {outcome} in {seconds:.0f} s", flush=True)
+            if outcome != "passed":
+                print(output[-3000:], file=sys.stderr)
+                print(f"mutants: the chosen tests fail without any fault ({short(failed) or outcome}); fix that first",
+                      file=sys.stderr)
+                return 1
+        rows, survived = [], []
+        for i, fault in enumerate(faults):
+            copy = make_copy(Path(tmp) / f"fault{i:02d}")
+            plant(copy, fault)
+            outcome, failed, seconds, output = run_tests(copy, fault.tests, args.timeout)
+            caught = outcome == "failed"
+            rows.append((fault.name, short(failed.split(" - ")[0]) if caught else outcome.upper(), seconds))
+            print(f"{'caught ' if caught else 'SURVIVED'} {fault.name}: {short(failed) or outcome} ({seconds:.0f} s)",
+                  flush=True)
+            if not caught:
+                survived.append(fault.name)
+                print(output[-2000:], file=sys.stderr)
+            shutil.rmtree(copy, ignore_errors=True)
+    width = max(len(r[0]) for r in rows)
+    test_width = max(len(r[1]) for r in rows)
+    print(f"\n{'fault':<{width}}  {'caught by (first failing test)':<{test_width}}  seconds")
+    for name, test, seconds in rows:
+        print(f"{name:<{width}}  {test:<{test_width}}  {seconds:7.1f}")
+    print(f"\n{len(rows) - len(survived)} of {len(rows)} faults caught in {time.perf_counter() - total:.0f} s")
+    if survived:
+        print("survived: " + "; ".join(survived), file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
