@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader, DistributedSampler, Sampler, TensorData
 from gputrain.dist import DistInfo, init_distributed, teardown
 from gputrain.launch import launch_all
 from gputrain.metrics.classification import ClassificationEvaluator
-from gputrain.strategies import DDP, SingleDevice
+from gputrain.strategies import DDP
 from gputrain.strategies.base import Strategy
 
 NUM_CLASSES = 10
