@@ -1,177 +1,288 @@
-"""The ``gputrain`` command: parse, build, run. One function per sub-command; the work lives elsewhere."""
+"""The ``gputrain`` command: parse, check, then launch workers or run here. One function per sub-command.
+
+The process the user started is the launcher: it checks everything it can (config, paths,
+packages, checkpoint, run folder) before any worker starts, resolves what must be the same on
+every rank (the run folder, a precision fallback) and hands the workers the same command line
+with those values appended, so they never decide them again. Exit codes: docs/cli.md.
+"""
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
-from gputrain.config import builtin_recipes, load_config
-from gputrain.launch import LaunchSpec, run_torchrun
+from gputrain import __version__
+from gputrain.config import RunConfig, builtin_recipes, load_config
+from gputrain.errors import EXIT_OK, EXIT_USAGE, Interrupted, exit_code_for_signal
+from gputrain.launch import LAUNCHER_ENV, LaunchSpec, debug, run_workers, worker_record
+from gputrain.preflight import MissingExtra
+
+USAGE_ERRORS = (ValueError, FileNotFoundError, PermissionError, NotADirectoryError, IsADirectoryError, MissingExtra)
+"""Bad input: one ``gputrain: error:`` line and exit 2 (a diverged run's NonFiniteError is a ValueError: exit 3)."""
 
 # Flags that are shorthands for config fields; everything else is a dotted key=value override.
 TRAIN_FLAGS = {
     "devices": "trainer.devices", "strategy": "trainer.strategy", "accelerator": "trainer.accelerator",
     "precision": "trainer.precision", "epochs": "trainer.epochs", "batch_size": "trainer.batch_size",
-    "seed": "trainer.seed", "out": "trainer.out", "resume": "trainer.resume", "data_root": "data.root",
-    "nnodes": "launch.nnodes", "node_rank": "launch.node_rank", "rdzv_endpoint": "launch.rdzv_endpoint",
-    "max_restarts": "launch.max_restarts",
+    "seed": "trainer.seed", "out": "trainer.out", "overwrite": "trainer.overwrite", "resume": "trainer.resume",
+    "data_root": "data.root", "nnodes": "launch.nnodes", "node_rank": "launch.node_rank",
+    "rdzv_endpoint": "launch.rdzv_endpoint", "max_restarts": "launch.max_restarts",
 }
+TRAINING_ONLY = ("epochs", "seed", "resume", "max_restarts")
+"""Train flags that eval accepts for scripts that share a command line, ignores, and leaves out of --help."""
+MINIMUM = {"devices": 1, "epochs": 1, "batch_size": 1, "nnodes": 1, "node_rank": 0, "max_restarts": 0,
+           "count": 1, "size": 1, "opset": 7}
+
+DESCRIPTION = """\
+gputrain trains vision models (a conv autoencoder, ResNet-18/50, DeepLabv3+, Mask R-CNN) from one YAML
+recipe on a CPU, one GPU, several GPUs or several machines, with the same result at every scale."""
+
+EPILOG = f"""\
+commands:
+  train RECIPE [flags] [key=value ...]   train; each run gets a new folder runs/RECIPE-DATE-TIME
+                                         (runs/latest points to the newest)
+  eval [RECIPE] --checkpoint PATH        evaluate a checkpoint with the config saved in it; writes eval.json
+  export onnx --checkpoint PATH --out F  export a checkpoint to ONNX, checked with onnxruntime
+  data make KIND --out DIR               write a small sample data set in a real on-disk format
+  bench scale RECIPE --devices 1,2       time a recipe over device counts and batch sizes
+  parity RECIPE                          do all ways of running a recipe train the same model?
+  doctor RECIPE                          a short dry run on real ranks that reports distributed mistakes
+  env                                    versions, devices and distributed settings of this machine
+
+built-in recipes: {', '.join(builtin_recipes())}
+
+example (sample data, 2 processes, export):
+  gputrain data make imagefolder --out data/frames
+  gputrain train autoencoder --devices 2 --epochs 5
+  gputrain export onnx --checkpoint runs/latest/checkpoints/last.pt --out runs/latest/model.onnx
+
+`gputrain COMMAND --help` lists a command's flags. Documentation: docs/index.md in the source tree;
+exit codes and what each command writes where: docs/cli.md."""
 
 
-def _add_run_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("recipe", help=f"built-in recipe ({', '.join(builtin_recipes())}) or a YAML file")
-    p.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. optim.lr=0.01 trainer.loggers=[csv]")
-    p.add_argument("--devices", type=int, help="processes on this node (ddp); GPUs are one per process")
-    p.add_argument("--strategy", choices=["single", "ddp", "dp"])
-    p.add_argument("--accelerator", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--precision", choices=["32", "16-mixed", "bf16-mixed"])
-    p.add_argument("--epochs", type=int)
-    p.add_argument("--batch-size", type=int, help="per device; the global batch is printed at start")
-    p.add_argument("--seed", type=int)
-    p.add_argument("--out", help="run folder (config.yaml, metrics.jsonl, checkpoints/, summary.json)")
-    p.add_argument("--resume", help="auto (OUT/checkpoints/last.pt if present) or a checkpoint path")
-    p.add_argument("--data-root", help="dataset folder (data.root)")
-    p.add_argument("--nnodes", type=int, help="nodes in the job (torchrun rendezvous)")
-    p.add_argument("--node-rank", type=int)
-    p.add_argument("--rdzv-endpoint", help="HOST:PORT of the c10d rendezvous for multi-node jobs")
-    p.add_argument("--max-restarts", type=int, help="torchrun elastic restarts")
+def _is_worker() -> bool:
+    from gputrain.dist import launched_env
+
+    return launched_env() is not None
 
 
-def _overrides(args: argparse.Namespace) -> list[str]:
+def _overrides(args: argparse.Namespace, skip: Sequence[str] = ()) -> list[str]:
     flags = [f"{key}={getattr(args, name)}" for name, key in TRAIN_FLAGS.items()
-             if getattr(args, name, None) is not None]
+             if name not in skip and getattr(args, name, None) is not None]
     return flags + list(args.overrides)
 
 
-def _launch_or_run(args: argparse.Namespace, argv: Sequence[str], run) -> int:  # noqa: ANN001
-    cfg = load_config(args.recipe, _overrides(args))
-    nproc = 1 if cfg.trainer.strategy == "dp" else cfg.trainer.devices
+def _quote(value: str) -> str:
+    """A YAML single-quoted scalar, so any path survives the dotted-override parser."""
+    return "'" + value.replace("'", "''") + "'"
+
+
+def _explicit(args: argparse.Namespace, field: str, flag: str) -> bool:
+    return getattr(args, flag, None) is not None or any(o.split("=", 1)[0] == field for o in args.overrides)
+
+
+def _prepare(cfg: RunConfig, args: argparse.Namespace) -> tuple[RunConfig, list[str]]:
+    """Launcher-side checks shared by train and eval; returns the config and overrides for the workers."""
+    from gputrain import preflight
+
+    t = cfg.trainer
+    precision, line = preflight.cpu_precision(t.precision, t.accelerator,
+                                              explicit=_explicit(args, "trainer.precision", "precision"))
+    if line:
+        print(line, file=sys.stderr if precision == t.precision else sys.stdout, flush=True)
+    extra = [] if precision == t.precision else [f"trainer.precision={precision}"]  # a plain name: no quoting
+    t.precision = precision
+    note = preflight.devices_note(t.strategy, t.devices, t.accelerator)
+    if note:
+        print(note, flush=True)
+    preflight.check_packages(cfg)
+    preflight.check_data_paths(cfg)
+    return cfg, extra
+
+
+def _launch_or_run(cfg: RunConfig, worker_argv: Sequence[str], run: Callable[[RunConfig], Any]) -> int:
+    from gputrain.strategies import strategy_class
+
+    nproc = strategy_class(cfg.trainer.strategy).processes_per_node(cfg.trainer.devices)
     spec = LaunchSpec(nproc_per_node=nproc, nnodes=cfg.launch.nnodes, node_rank=cfg.launch.node_rank,
                       rdzv_endpoint=cfg.launch.rdzv_endpoint, rdzv_id=cfg.launch.rdzv_id,
                       max_restarts=cfg.launch.max_restarts)
     if spec.needs_launch:
-        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+        return run_workers(spec, "gputrain", worker_argv)  # the workers run the same command line and join
+    run(cfg)
+    return EXIT_OK
 
-        try:
-            run_torchrun(spec, "gputrain", argv)  # the workers run this same command line and join
-        except ChildFailedError as err:
-            failed = ", ".join(f"rank {r} (exit {f.exitcode})" for r, f in sorted(err.failures.items()))
-            print(f"gputrain: {failed} failed; the workers' own errors are printed above", file=sys.stderr)
-            return 1
-        return 0
-    run(cfg, args)
-    return 0
+
+def _run_train(cfg: RunConfig) -> None:
+    from gputrain.tools.train import train_from_config
+
+    train_from_config(cfg)  # the "continue with" line is built from this command line, by tools/train.py
 
 
 def cmd_train(args: argparse.Namespace, argv: Sequence[str]) -> int:
-    from gputrain.tools.train import train_from_config
+    from gputrain import run_folder
+    from gputrain.checkpoint import load_checkpoint
 
-    return _launch_or_run(args, argv, lambda cfg, _: train_from_config(cfg))
+    cfg = load_config(args.recipe, _overrides(args))
+    if _is_worker():  # the launcher checked and resolved everything
+        _run_train(cfg)
+        return EXIT_OK
+    cfg, extra = _prepare(cfg, args)
+    t = cfg.trainer
+    if t.resume and t.resume != "auto":
+        load_checkpoint(t.resume)  # unreadable or truncated: one line naming the file, before any worker
+    if not t.out and t.resume == "auto":
+        raise ValueError("--resume auto continues a run folder: name it with --out (e.g. --out runs/latest)")
+    if t.out:
+        run_folder.check_run_folder(t.out, resume=t.resume, overwrite=t.overwrite)
+        if t.overwrite:
+            run_folder.clear_run_folder(t.out)
+            extra.append("trainer.overwrite=false")  # cleared once, here: not again under rank 0's first files
+    else:
+        t.out = str(run_folder.default_run_dir(_run_name(args.recipe, cfg)))
+        if not run_folder.point_latest(t.out):
+            print(f"gputrain: runs/latest is a folder (an older gputrain's default output), so it was left alone; "
+                  f"this run is in {t.out}", flush=True)
+        extra.append(f"trainer.out={_quote(t.out)}")  # the workers must not pick another timestamp
+    t.overwrite = False
+    return _launch_or_run(cfg, [*argv, *extra], _run_train)
+
+
+def _run_name(recipe: str, cfg: RunConfig) -> str:
+    from pathlib import Path
+
+    stem = Path(recipe).stem if recipe.endswith((".yaml", ".yml")) else recipe
+    return cfg.task if stem == "config" else stem  # a saved config.yaml used as a recipe
 
 
 def cmd_eval(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    from gputrain import run_folder
     from gputrain.tools.evaluate import evaluate_from_config
+    from gputrain.tools.from_checkpoint import build_fitting_model, config_from_checkpoint, load_for_eval
 
-    return _launch_or_run(args, argv, lambda cfg, a: evaluate_from_config(cfg, a.checkpoint))
+    state = load_for_eval(args.checkpoint)
+    cfg, note = config_from_checkpoint(state, args.checkpoint, recipe=args.recipe,
+                                       overrides=_overrides(args, skip=TRAINING_ONLY))
+    run = lambda c: evaluate_from_config(c, args.checkpoint, state)  # noqa: E731
+    if _is_worker():
+        run(cfg)
+        return EXIT_OK
+    ignored = [f"--{n.replace('_', '-')}" for n in TRAINING_ONLY if getattr(args, n, None) is not None]
+    for line in ([note] if note else []) + ([f"gputrain: eval ignores {', '.join(ignored)}"] if ignored else []):
+        print(line, flush=True)
+    cfg, extra = _prepare(cfg, args)
+    if cfg.model.name:  # a misfit is one line here, not N ranks' tracebacks later
+        build_fitting_model(cfg, state, args.checkpoint)
+    t = cfg.trainer
+    if t.out:
+        run_folder.check_eval_folder(t.out, overwrite=t.overwrite)
+    else:
+        t.out = str(run_folder.check_eval_folder(run_folder.eval_dir_for(args.checkpoint, args.recipe or cfg.task),
+                                                 overwrite=t.overwrite))
+        extra.append(f"trainer.out={_quote(t.out)}")
+    return _launch_or_run(cfg, [*argv, *extra], run)
 
 
 def cmd_data_make(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    from pathlib import Path
+
     from gputrain.tools.make_data import make_dataset
 
-    print(make_dataset(args.kind, args.out, size=args.size, count=args.count, seed=args.seed))
-    return 0
+    out = Path(args.out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ValueError(f"--out {out} exists and is not an empty folder; choose another --out (sample data is "
+                         "never written over existing files)")
+    print(make_dataset(args.kind, out, size=args.size or 0, count=args.count or 0, seed=args.seed))
+    return EXIT_OK
 
 
 def cmd_bench_scale(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from gputrain.tools.scale import scale_bench
 
     scale_bench(args.recipe, devices=args.devices, batch_sizes=args.batch_size, out=args.out,
-                overrides=list(args.overrides), accelerator=args.accelerator, epochs=args.epochs)
-    return 0
+                overrides=list(args.overrides), accelerator=args.accelerator, epochs=args.epochs,
+                overwrite=args.overwrite)
+    return EXIT_OK
 
 
 def cmd_export_onnx(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    from gputrain.run_folder import check_output_file
     from gputrain.tools.export import export_onnx
 
-    export_onnx(args.checkpoint, args.out, input_shape=args.input_shape, opset=args.opset)
-    return 0
+    check_output_file(args.out, overwrite=args.overwrite)
+    export_onnx(args.checkpoint, args.out, input_shape=args.input_shape, opset=args.opset,
+                overrides=list(args.overrides))
+    return EXIT_OK
 
 
-def _int_list(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x]
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="gputrain", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    train = sub.add_parser("train", help="train a recipe on 1 process or many")
-    _add_run_flags(train)
-    train.set_defaults(func=cmd_train)
-
-    ev = sub.add_parser("eval", help="evaluate a checkpoint exactly, on any device count")
-    _add_run_flags(ev)
-    ev.add_argument("--checkpoint", required=True)
-    ev.set_defaults(func=cmd_eval)
-
-    data = sub.add_parser("data", help="datasets").add_subparsers(dest="data_command", required=True)
-    make = data.add_parser("make", help="write a small learnable sample set in a real on-disk format")
-    make.add_argument("kind", choices=["imagefolder", "classfolder", "cifar10", "ade20k", "coco"])
-    make.add_argument("--out", required=True)
-    make.add_argument("--count", type=int, default=0, help="number of images (0: the kind's default)")
-    make.add_argument("--size", type=int, default=0, help="image side in pixels (0: the kind's default)")
-    make.add_argument("--seed", type=int, default=0)
-    make.set_defaults(func=cmd_data_make)
-
-    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
-    scale = bench.add_parser("scale", help="time a recipe over device counts and batch sizes")
-    scale.add_argument("recipe")
-    scale.add_argument("overrides", nargs="*")
-    scale.add_argument("--devices", type=_int_list, default=[1, 2], help="e.g. 1,2")
-    scale.add_argument("--batch-size", type=_int_list, default=[64, 128], help="per device, e.g. 64,128")
-    scale.add_argument("--epochs", type=int, default=2)
-    scale.add_argument("--accelerator", default="auto", choices=["auto", "cpu", "cuda"])
-    scale.add_argument("--out", default="runs/scale")
-    scale.set_defaults(func=cmd_bench_scale)
-
-    export = sub.add_parser("export", help="export models").add_subparsers(dest="export_command", required=True)
-    onnx = export.add_parser("onnx", help="export a checkpoint to ONNX and check it with onnxruntime")
-    onnx.add_argument("--checkpoint", required=True)
-    onnx.add_argument("--out", required=True)
-    onnx.add_argument("--input-shape", type=_int_list, default=None, help="e.g. 1,3,80,80 (default: from the data)")
-    onnx.add_argument("--opset", type=int, default=18)
-    onnx.set_defaults(func=cmd_export_onnx)
-    return parser
+def _check_flags(args: argparse.Namespace) -> None:
+    """Numbers no run can use, refused before anything starts, naming the flag."""
+    for name, low in MINIMUM.items():
+        values = getattr(args, name, None)
+        for value in values if isinstance(values, list) else [values]:
+            if value is not None and value < low:
+                raise ValueError(f"--{name.replace('_', '-')} {value}: must be at least {low}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from gputrain.cli_parser import build_parser
+
     argv = list(sys.argv[1:] if argv is None else argv)
     if "" not in sys.path and os.getcwd() not in sys.path:
         # Recipes name user code as package.module:function; find it in the working directory as
         # `python -m gputrain` (what torchrun workers run) does, so 1 and N processes behave alike.
         sys.path.insert(0, os.getcwd())
-    parser = build_parser()
+    handlers = {"train": cmd_train, "eval": cmd_eval, "data make": cmd_data_make, "bench scale": cmd_bench_scale,
+                "export onnx": cmd_export_onnx}
+    parser = build_parser(DESCRIPTION, EPILOG, __version__, TRAINING_ONLY, handlers)
     # Dotted overrides may come after flags; argparse cannot mix a nargs="*" positional with
     # flags under sub-commands, so collect leftovers of the form key=value ourselves.
     args, extra = parser.parse_known_args(argv)
     bad = [x for x in extra if x.startswith("-") or "=" not in x]
     if bad:
         parser.error(f"unrecognized arguments: {' '.join(bad)}")
+    if args.command == "eval" and args.recipe and "=" in args.recipe and not args.recipe.endswith((".yaml", ".yml")):
+        extra, args.recipe = [args.recipe, *extra], None  # eval's recipe is optional: this was an override
     if extra:
         if not hasattr(args, "overrides"):
             parser.error(f"{args.command} takes no key=value overrides: {' '.join(extra)}")
         args.overrides = list(args.overrides) + extra
+    worker = False
     try:
-        return args.func(args, argv)
-    except (ValueError, FileNotFoundError) as err:
-        # Bad input: our messages name the file or field and say how to fix it; a traceback
-        # would bury that line. GPUTRAIN_DEBUG=1 shows it anyway.
-        if os.environ.get("GPUTRAIN_DEBUG"):
+        worker = _is_worker()
+        # torchrun gives each worker an error file: torch's `record` writes the exception there, for
+        # the launcher to pick the first failing rank by time.
+        recorded = worker and "TORCHELASTIC_ERROR_FILE" in os.environ
+        command = worker_record(args.func, usage=USAGE_ERRORS) if recorded else args.func
+        _check_flags(args)
+        return command(args, argv)
+    except Interrupted as err:  # the loop printed the one line (and wrote the checkpoint)
+        return err.exit_code
+    except KeyboardInterrupt:
+        if not worker:
+            print("gputrain: interrupted", file=sys.stderr)
+        return exit_code_for_signal(signal.SIGINT)
+    except USAGE_ERRORS as err:
+        if debug():
             raise
-        print(f"gputrain: error: {err}", file=sys.stderr)
-        return 2
+        _print_error(err, worker)
+        return int(getattr(err, "exit_code", EXIT_USAGE))
+    except Exception:
+        if worker and os.environ.get(LAUNCHER_ENV) and not debug():
+            return 1  # recorded in the error file; the launcher prints the first failing rank's line
+        raise
+
+
+def _print_error(err: BaseException, worker: bool) -> None:
+    """One line; a worker started by gputrain leaves it to the launcher, one under plain torchrun names its rank."""
+    if worker and os.environ.get(LAUNCHER_ENV):
+        return
+    rank = f"rank {os.environ.get('RANK')}: " if worker else ""
+    print(f"gputrain: error: {rank}{str(err).strip()}", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

@@ -3,21 +3,34 @@
 ``gputrain train ... --devices N`` re-executes itself under ``torch.distributed.run``
 (the module behind ``torchrun``). Python callers use :func:`launch`, which goes through
 ``torch.distributed.launcher.api.elastic_launch``: the same elastic agent and rendezvous.
+
+When workers fail, the launcher prints the first failing rank's one-line error, last; when the
+user interrupts, it exits with the signal's code (130, 143) and adds nothing to the workers' one
+line. Workers record their error with torch's ``record`` machinery (an error file per rank);
+torchrun's own log lines are kept off the console (``GPUTRAIN_DEBUG=1`` shows them).
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
+import logging
 import os
+import signal
 import socket
 import sys
+import time
+import traceback
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from gputrain.dist import launched_env
+from gputrain.errors import EXIT_DIVERGED, EXIT_FAILED, EXIT_OK, EXIT_USAGE, exit_code_for_signal
 
 T = TypeVar("T")
 
@@ -82,6 +95,135 @@ def run_torchrun(spec: LaunchSpec, module: str, module_args: Sequence[str]) -> N
     # --no-python with sys.executable keeps the workers on the interpreter (and venv) we run in.
     argv = ["--no-python", *torchrun_args(spec, [sys.executable, "-m", module, *module_args])]
     run(get_args_parser().parse_args(argv))
+
+
+LAUNCHER_ENV = "GPUTRAIN_LAUNCHER"
+"""Set for workers that ``gputrain`` started: they record errors and leave printing them to the launcher."""
+
+INTERRUPT_CODES = tuple(exit_code_for_signal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1))
+_AGENT_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+
+
+def debug() -> bool:
+    """``GPUTRAIN_DEBUG=1``: tracebacks and torchrun's log lines instead of one-line errors."""
+    return bool(os.environ.get("GPUTRAIN_DEBUG"))
+
+
+TORCHRUN_LOGGERS = ("torch.distributed.elastic", "torch.distributed.run", "torch.distributed.launcher")
+"""The loggers of torchrun's agent: a line for every forwarded signal, stopped worker and failure."""
+
+
+@contextlib.contextmanager
+def _launcher_scope() -> Iterator[None]:
+    """Workers know gputrain launched them; torchrun's logs stay quiet; signal handlers come back after."""
+    saved_env = os.environ.get(LAUNCHER_ENV)
+    saved_handlers = {s: signal.getsignal(s) for s in _AGENT_SIGNALS}
+    # Each of torchrun's loggers sets its own level, and torch installs a stderr handler on
+    # "torch.distributed": records are stopped below that handler instead, and the launcher
+    # prints the one line that matters.
+    quiet = logging.NullHandler()
+    loggers = [] if debug() else [logging.getLogger(name) for name in TORCHRUN_LOGGERS]
+    saved_propagate = [log.propagate for log in loggers]
+    for log in loggers:
+        log.addHandler(quiet)
+        log.propagate = False
+    os.environ[LAUNCHER_ENV] = "1"
+    try:
+        yield
+    finally:
+        for log, propagate in zip(loggers, saved_propagate, strict=True):
+            log.removeHandler(quiet)
+            log.propagate = propagate
+        for sig, handler in saved_handlers.items():  # the agent installs its own and never puts ours back
+            signal.signal(sig, handler)
+        if saved_env is None:
+            os.environ.pop(LAUNCHER_ENV, None)
+        else:
+            os.environ[LAUNCHER_ENV] = saved_env
+
+
+def run_workers(spec: LaunchSpec, module: str, module_args: Sequence[str]) -> int:
+    """:func:`run_torchrun`, returning the exit code for the command and printing at most the failure line.
+
+    0 when every worker succeeded; 128 + signal when the launcher was interrupted (the workers
+    print their own "interrupted" line); otherwise what :func:`report_failure` decides.
+    """
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    with _launcher_scope():
+        try:
+            run_torchrun(spec, module, module_args)
+        except SignalException as err:
+            return exit_code_for_signal(err.sigval)
+        except ChildFailedError as err:
+            return report_failure(err.failures)
+    return EXIT_OK
+
+
+def _gputrain_info(failure: Any) -> dict[str, Any]:
+    """What :class:`WorkerErrorHandler` added to a failed rank's error file ({} when it wrote none)."""
+    data = failure.error_file_data if isinstance(failure.error_file_data, dict) else {}
+    message = data.get("message")
+    return message.get("extraInfo", {}).get("gputrain", {}) if isinstance(message, dict) else {}
+
+
+def _failure_line(rank: int, failure: Any) -> str:
+    info = _gputrain_info(failure)
+    if info.get("line"):
+        return f"rank {rank}: {info['line']}"
+    if failure.exitcode < 0:
+        name = failure.signal_name()
+        hint = " (out of memory? see `dmesg`)" if name == "SIGKILL" else ""
+        return f"rank {rank} was killed by {name}{hint}"
+    return f"rank {rank} exited with code {failure.exitcode} without an error message"
+
+
+def report_failure(failures: dict[int, Any]) -> int:
+    """Print the first failing rank's error (by time) as the last line; return the command's exit code.
+
+    Later failures are usually consequences (the other ranks' "Connection closed by peer"), so
+    only the first is shown. Crashes that are not bad input get the last lines of their traceback
+    above the line. A rank that stopped for a signal (exit 130/143) printed its own line.
+    """
+    rank, failure = min(failures.items(),
+                        key=lambda kv: (_gputrain_info(kv[1]).get("time", kv[1].timestamp), kv[0]))
+    if failure.exitcode in INTERRUPT_CODES:
+        return failure.exitcode
+    info = _gputrain_info(failure)
+    if info and not info.get("usage"):
+        context = [line for line in info.get("traceback", "").splitlines() if line.strip()][-5:-1]
+        for line in context:
+            print(line, file=sys.stderr)
+    print(f"gputrain: error: {_failure_line(rank, failure)}", file=sys.stderr, flush=True)
+    code = int(info.get("exit_code", failure.exitcode))
+    return code if code in (EXIT_USAGE, EXIT_DIVERGED) else EXIT_FAILED
+
+
+def worker_record(fn: Callable[..., T], *, usage: tuple[type[BaseException], ...]) -> Callable[..., T]:
+    """``fn`` wrapped by torch's ``record``, writing gputrain's one line and a fine timestamp into the error file."""
+    return record(fn, error_handler=WorkerErrorHandler(usage))  # type: ignore[return-value]
+
+
+class WorkerErrorHandler(ErrorHandler):
+    """torch's error-file format, plus what the launcher needs to print one line for the first failure."""
+
+    def __init__(self, usage: tuple[type[BaseException], ...]) -> None:
+        self.usage = usage
+
+    def record_exception(self, e: BaseException) -> None:
+        path = self._get_error_file_path()
+        if not path:
+            return
+        usage = isinstance(e, self.usage)
+        line = str(e).strip().splitlines()[0] if usage and str(e).strip() else f"{type(e).__name__}: {e}"
+        stack = traceback.format_exc()
+        info = {"line": line, "usage": usage, "time": time.time(), "traceback": stack,
+                "exit_code": getattr(e, "exit_code", EXIT_USAGE if usage else EXIT_FAILED)}
+        data = {"message": {"message": f"{type(e).__name__}: {e}",
+                            "extraInfo": {"py_callstack": stack, "timestamp": str(int(time.time())), "gputrain": info}}}
+        with open(path, "w") as f:
+            json.dump(data, f)
 
 
 def launch(fn: Callable[..., T], *args: Any, devices: int = 2, max_restarts: int = 0) -> T:

@@ -93,7 +93,7 @@ class Trainer:
             out = Path(t.out) if t.out else run_folder.default_run_dir(Path(str(self.cfg.task)).name.split(":")[-1])
             if for_training:
                 run_folder.check_run_folder(out, resume=t.resume, overwrite=t.overwrite)
-                if t.overwrite and not t.resume:
+                if t.overwrite:
                     run_folder.clear_run_folder(out)
                 out.mkdir(parents=True, exist_ok=True)
                 if not t.out:
@@ -298,8 +298,10 @@ class Trainer:
         metrics["time/val_s"] = time.perf_counter() - start
         metrics["world_size"] = self.dist.world_size
         if self.dist.is_main:
-            (self.out / "eval.json").write_text(json.dumps(metrics, indent=2))
-            print(json.dumps(metrics, indent=2), flush=True)
+            from gputrain.hooks.logging import strict_json
+
+            (self.out / "eval.json").write_text(strict_json(metrics, indent=2))
+            print(strict_json(metrics, indent=2), flush=True)
         return metrics
 
     def _call(self, event: str, *args: Any) -> None:

@@ -66,7 +66,8 @@ def test_checkpoints_are_unwrapped_and_complete(two_rank_run):
     assert {"model", "optimizer", "scheduler", "precision", "state", "rng", "config"} <= state.keys()
     assert state["state"]["epoch"] == 2 and state["world_size"] == 2
     assert not any(k.startswith("module.") for k in state["model"])
-    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["epoch_0001.pt", "epoch_0002.pt", "last.pt"]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["epoch_0001.pt", "epoch_0002.pt", "last.pt",
+                                                                       "manifest.json"]
 
 
 def test_export_onnx_matches_pytorch(two_rank_run, tmp_path):

@@ -14,6 +14,7 @@ import io
 import json
 import logging
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +33,13 @@ logger = logging.getLogger(__name__)
 DROP_REASONS = ("clipped", "zero_area", "crowd", "mask_from_box", "no_valid_box_images")
 Target = dict[str, Any]
 JointTransform = Callable[[Any, Any], tuple[Any, Any]]
+
+
+def _rank() -> int:
+    """This process's rank: the process group's if there is one, else the launcher's RANK (0 alone)."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank()
+    return int(os.environ.get("RANK", "0"))
 
 
 def _pycocotools() -> tuple[Any, Any]:
@@ -136,13 +144,14 @@ class COCODetection(Dataset[tuple[Tensor, Target]]):
         counts = ", ".join(f"{k}={v}" for k, v in self.drop_summary.items())
         log = logger.warning if any(self.drop_summary.values()) else logger.info
         split = "train" if train else "val"
-        log(
-            "COCO %s (%s): kept %d images; adjusted/dropped: %s",
-            annotation_json,
-            split,
-            len(self.items),
-            counts,
-        )
+        if _rank() == 0:  # every rank reads the same JSON; one line for the job, not one per rank
+            log(
+                "COCO %s (%s): kept %d images; adjusted/dropped: %s",
+                annotation_json,
+                split,
+                len(self.items),
+                counts,
+            )
 
     def _clean(self, ann: dict[str, Any], info: dict[str, Any]) -> _Ann | None:
         where = f"annotation id {ann.get('id')} of image {self.image_dir / info['file_name']}"

@@ -8,14 +8,34 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gputrain.hooks.base import Hook
+from gputrain.preflight import require
 
 if TYPE_CHECKING:
     from gputrain.loop import Trainer
+
+
+def finite_or_none(value: Any) -> Any:
+    """``value`` with every NaN or infinite float (nested in dicts and lists) replaced by ``None``."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite_or_none(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_or_none(v) for v in value]
+    if hasattr(value, "item") and getattr(value, "ndim", None) == 0:  # a 0-d tensor or numpy scalar
+        return finite_or_none(value.item())
+    return value
+
+
+def strict_json(value: Any, **kwargs: Any) -> str:
+    """JSON that every parser accepts: non-finite floats become ``null`` (Python's default writes ``NaN``)."""
+    return json.dumps(finite_or_none(value), allow_nan=False, **kwargs)
 
 
 class MetricLogger:
@@ -36,7 +56,7 @@ class JsonlLogger(MetricLogger):
 
     def log(self, metrics: dict[str, float], *, step: int, epoch: int) -> None:
         record = {"time": round(time.time(), 3), "epoch": epoch, "step": step, **metrics}
-        self.file.write(json.dumps(record) + "\n")
+        self.file.write(strict_json(record) + "\n")
         self.file.flush()
 
     def close(self) -> None:
@@ -75,6 +95,7 @@ class CsvLogger(MetricLogger):
 
 class TensorBoardLogger(MetricLogger):
     def __init__(self, folder: Path) -> None:
+        require("tensorboard", "trainer.loggers=[tensorboard]")
         from torch.utils.tensorboard import SummaryWriter  # imports tensorboard: only when chosen
 
         self.writer = SummaryWriter(log_dir=str(folder))
@@ -91,13 +112,8 @@ class WandbLogger(MetricLogger):
     """Weights & Biases; ``mode="offline"`` writes a local run that ``wandb sync`` can upload later."""
 
     def __init__(self, folder: Path, *, project: str, mode: str, config: dict[str, Any], name: str) -> None:
-        try:
-            import wandb
-        except ImportError:
-            raise ImportError(
-                "trainer.loggers includes wandb but the wandb package is not installed; pip install wandb "
-                "(or drop wandb from trainer.loggers)"
-            ) from None
+        require("wandb", "trainer.loggers=[wandb]")
+        import wandb
         folder.mkdir(parents=True, exist_ok=True)
         self.run = wandb.init(project=project, mode=mode, dir=str(folder), config=config, name=name,
                               settings=wandb.Settings(silent=True, console="off"))
@@ -124,8 +140,20 @@ def build_loggers(names: list[str], out: Path, *, resume: bool, config: dict[str
     return loggers
 
 
+LOGGER_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}
+"""Optional packages each logger needs (the ``loggers`` extra)."""
+
+
+def check_logger_packages(names: list[str]) -> None:
+    """Raise :class:`~gputrain.preflight.MissingExtra` on every rank alike if a chosen logger's package is absent."""
+    for name in names:
+        if name in LOGGER_PACKAGES:
+            require(LOGGER_PACKAGES[name], f"trainer.loggers=[{name}]")
+
+
 class LoggingHook(Hook):
     def __init__(self, names: list[str]) -> None:
+        check_logger_packages(names)  # all ranks, at construction: not rank 0 alone after the others wait
         self.names = names
         self.loggers: list[MetricLogger] = []
 

@@ -7,6 +7,9 @@ from pathlib import Path
 
 def make_dataset(kind: str, out: str | Path, *, size: int = 0, count: int = 0, seed: int = 0) -> Path:
     """Write a sample set of ``kind``; 0 for ``size``/``count`` takes the kind's default."""
+    for name, value in (("count", count), ("size", size)):
+        if value < 0:
+            raise ValueError(f"{name}={value} must be positive (or 0 for the {kind} default)")
     if kind == "imagefolder":
         from gputrain.data.imagefolder import make_frames
 

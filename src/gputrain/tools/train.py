@@ -25,7 +25,7 @@ def resume_command(argv: list[str], out: str) -> str:
             skip = False
             continue
         flag = arg.split("=", 1)[0]
-        if flag in _REPLACED or flag.startswith(("trainer.resume=", "trainer.out=", "trainer.overwrite=")):
+        if flag in _REPLACED or flag in {"trainer.resume", "trainer.out", "trainer.overwrite"}:
             skip = "=" not in arg and flag != "--overwrite"
             continue
         kept.append(arg)

@@ -1,0 +1,118 @@
+"""The argument parser of the ``gputrain`` command; ``gputrain.cli`` holds what each sub-command does."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from gputrain.config import builtin_recipes
+
+Handler = Callable[[argparse.Namespace, Sequence[str]], int]
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers, e.g. 1,2") from None
+
+
+def _run_flags(p: argparse.ArgumentParser, *, training: bool, hidden: Sequence[str] = ()) -> None:
+    """Flags of train (``training``) and eval; eval keeps ``hidden`` train flags out of its --help."""
+    def maybe(name: str, help_text: str) -> str:
+        return argparse.SUPPRESS if not training and name in hidden else help_text
+
+    example = "optim.lr=0.01 'trainer.loggers=[csv]'" if training else "trainer.eval_batch_size=64"
+    p.add_argument("overrides", nargs="*", help=f"dotted config overrides, e.g. {example}")
+    p.add_argument("--devices", type=int, help="processes on this node (one per GPU; ddp)")
+    p.add_argument("--strategy", help="single, ddp, dp, ... (trainer.strategy)")
+    p.add_argument("--accelerator", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--precision", choices=["32", "16-mixed", "bf16-mixed"],
+                   help="a recipe's 16-bit default falls back to 32 on a CPU; this flag is obeyed")
+    p.add_argument("--batch-size", type=int, help="per device; the global batch is printed at start")
+    if training:
+        p.add_argument("--out", help="run folder (default: a new runs/RECIPE-DATE-TIME; runs/latest points to it); "
+                                     "a non-empty one needs --resume auto or --overwrite")
+        p.add_argument("--overwrite", action="store_const", const=True, default=None,
+                       help="delete the contents of a non-empty --out run folder first")
+    else:
+        p.add_argument("--out", help="folder for eval.json (default: RUN/eval beside the checkpoint's run)")
+        p.add_argument("--overwrite", action="store_const", const=True, default=None,
+                       help="replace an eval.json already in --out")
+    p.add_argument("--data-root", help="dataset folder (data.root)")
+    p.add_argument("--nnodes", type=int, help="nodes in the job (torchrun rendezvous)")
+    p.add_argument("--node-rank", type=int)
+    p.add_argument("--rdzv-endpoint", help="HOST:PORT of the c10d rendezvous for multi-node jobs")
+    p.add_argument("--epochs", type=int, help=maybe("epochs", "epochs to train (trainer.epochs)"))
+    p.add_argument("--seed", type=int, help=maybe("seed", "seed of weights, data order and augmentation"))
+    p.add_argument("--resume", help=maybe("resume", "auto (continue --out from its newest checkpoint) or a checkpoint"))
+    p.add_argument("--max-restarts", type=int, help=maybe("max_restarts", "torchrun elastic restarts"))
+
+
+def build_parser(description: str, epilog: str, version: str, eval_hidden: Sequence[str],
+                 handlers: Mapping[str, Handler]) -> argparse.ArgumentParser:
+    """The whole command line; ``handlers`` maps sub-command names to the functions that run them."""
+    import torch
+    import torchvision
+
+    raw: dict[str, Any] = {"formatter_class": argparse.RawDescriptionHelpFormatter}
+    parser = argparse.ArgumentParser(prog="gputrain", description=description, epilog=epilog, **raw)
+    parser.add_argument("--version", action="version",
+                        version=f"gputrain {version} (torch {torch.__version__}, torchvision {torchvision.__version__})")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    recipes = ", ".join(builtin_recipes())
+    train = sub.add_parser("train", help="train a recipe on 1 process or many",
+                           description="Train a recipe. Each run writes config.yaml, metrics.jsonl, checkpoints/ and "
+                                       "summary.json into its run folder.")
+    train.add_argument("recipe", help=f"built-in recipe ({recipes}) or a YAML file")
+    _run_flags(train, training=True)
+    train.set_defaults(func=handlers["train"])
+
+    ev = sub.add_parser("eval", help="evaluate a checkpoint exactly, on any device count",
+                        description="Evaluate a checkpoint with the task, model and data settings saved in it "
+                                    "(flags and overrides win). Writes eval.json.")
+    ev.add_argument("recipe", nargs="?", default=None,
+                    help="optional: a recipe for how to run (batch size, strategy); the checkpoint says what it is")
+    ev.add_argument("--checkpoint", required=True, help="a checkpoint file, e.g. runs/ae/checkpoints/last.pt")
+    _run_flags(ev, training=False, hidden=eval_hidden)
+    ev.set_defaults(func=handlers["eval"])
+
+    data = sub.add_parser("data", help="sample data sets").add_subparsers(dest="data_command", required=True)
+    make = data.add_parser("make", help="write a small learnable sample set in a real on-disk format")
+    make.add_argument("kind", choices=["imagefolder", "classfolder", "cifar10", "ade20k", "coco"])
+    make.add_argument("--out", required=True, help="a new or empty folder")
+    make.add_argument("--count", type=int, default=None, help="number of images (default: the kind's)")
+    make.add_argument("--size", type=int, default=None, help="image side in pixels (default: the kind's)")
+    make.add_argument("--seed", type=int, default=0)
+    make.set_defaults(func=handlers["data make"])
+
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
+    scale = bench.add_parser("scale", help="time a recipe over device counts and batch sizes")
+    scale.add_argument("recipe")
+    scale.add_argument("overrides", nargs="*")
+    scale.add_argument("--devices", type=_int_list, default=[1, 2], help="e.g. 1,2")
+    scale.add_argument("--batch-size", type=_int_list, default=[64, 128], help="per device, e.g. 64,128")
+    scale.add_argument("--epochs", type=int, default=2)
+    scale.add_argument("--accelerator", default="auto", choices=["auto", "cpu", "cuda"])
+    scale.add_argument("--out", default=None, help="folder for scale.json/md/png (default: a new runs/scale-DATE-TIME)")
+    scale.add_argument("--overwrite", action="store_true", help="replace the contents of a non-empty --out")
+    scale.set_defaults(func=handlers["bench scale"])
+
+    export = sub.add_parser("export", help="export models").add_subparsers(dest="export_command", required=True)
+    onnx = export.add_parser("onnx", help="export a checkpoint to ONNX and check it with onnxruntime")
+    onnx.add_argument("overrides", nargs="*", help="dotted overrides of the checkpoint's saved config")
+    onnx.add_argument("--checkpoint", required=True)
+    onnx.add_argument("--out", required=True, help="the .onnx file to write")
+    onnx.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
+    onnx.add_argument("--input-shape", type=_int_list, default=None, help="e.g. 1,3,80,80 (default: from the data)")
+    onnx.add_argument("--opset", type=int, default=18)
+    onnx.set_defaults(func=handlers["export onnx"])
+
+    # The diagnostic tools register their own sub-commands (each module also runs alone: python -m ...).
+    from gputrain.tools import doctor, env, parity
+
+    for tool in (parity, doctor, env):
+        tool.add_parser(sub)
+    return parser

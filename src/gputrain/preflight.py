@@ -1,0 +1,124 @@
+"""What the launcher checks before any worker starts: optional packages, data paths, precision, devices.
+
+A missing folder found by the workers costs their start-up (imports, rendezvous: tens of seconds
+on a busy machine) and prints once per rank; found here it costs nothing and prints once. Every
+failure is one line naming the field or package and the fix. This module imports no torch, so
+``gputrain.hooks.logging`` and the command line can use it freely.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from gputrain.config import RunConfig
+
+EXTRAS: dict[str, str] = {
+    "tensorboard": "loggers", "wandb": "loggers", "pycocotools": "coco", "matplotlib": "plot",
+    "onnx": "export", "onnxruntime": "export", "onnxscript": "export",
+}
+"""Optional packages, by import name, and the ``gputrain[...]`` extra that installs each."""
+
+TASK_PACKAGES: dict[str, tuple[str, ...]] = {"detection": ("pycocotools",)}
+"""Optional packages a built-in task needs (data loading and evaluation)."""
+
+SAMPLE_DATA = {"autoencoder": "imagefolder", "segmentation": "ade20k", "detection": "coco",
+               "classification:cifar10": "cifar10", "classification:classfolder": "classfolder"}
+"""The ``gputrain data make`` kind that writes sample data for each built-in task (and format)."""
+
+SLOW_ON_CPU = ("16-mixed", "bf16-mixed")
+
+
+class MissingExtra(ImportError):
+    """An optional package is not installed; the message names the ``pip install`` that adds it."""
+
+
+def installed(module: str) -> bool:
+    """Whether ``module`` can be imported, without importing it (tensorboard alone takes seconds)."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def install_hint(module: str) -> str:
+    extra = EXTRAS.get(module)
+    return f"pip install 'gputrain[{extra}]'" if extra else f"pip install {module}"
+
+
+def require(module: str, what: str) -> None:
+    """Raise :class:`MissingExtra` (one line) when ``module``, needed by ``what``, is not installed."""
+    if not installed(module):
+        raise MissingExtra(f"{what} needs the {module} package, which is not installed; {install_hint(module)}")
+
+
+def check_packages(cfg: RunConfig) -> None:
+    """The optional packages the run's loggers and task need are installed."""
+    for name in cfg.trainer.loggers:
+        if name in ("tensorboard", "wandb"):
+            require(name, f"trainer.loggers=[{name}]")
+    for module in TASK_PACKAGES.get(cfg.task, ()):
+        require(module, f"task {cfg.task}")
+
+
+def _sample_kind(cfg: RunConfig) -> str:
+    return SAMPLE_DATA.get(cfg.task) or SAMPLE_DATA.get(f"{cfg.task}:{cfg.data.format}", "")
+
+
+def check_data_paths(cfg: RunConfig) -> None:
+    """``data.root`` (and ``val_root``, ``annotations`` when set) exist and are readable, for built-in tasks.
+
+    A task of your own (``package.module:function``) reads what it likes, so it is not checked here.
+    """
+    from gputrain.tasks import BUILTIN_TASKS
+
+    if cfg.task not in BUILTIN_TASKS:
+        return
+    kind = _sample_kind(cfg)
+    for field, value in (("data.root", cfg.data.root), ("data.val_root", cfg.data.val_root),
+                         ("data.annotations", cfg.data.annotations)):
+        if not value:
+            continue
+        path = Path(value)
+        if not path.exists():
+            where = "" if path.is_absolute() else f" (relative to {Path.cwd()})"
+            fix = (f"make sample data with `gputrain data make {kind} --out {value}` or point --data-root at your data"
+                   if field == "data.root" and kind else f"set {field} to an existing path")
+            raise FileNotFoundError(f"{field}={value} does not exist{where}; {fix}")
+        if not os.access(path, os.R_OK | (os.X_OK if path.is_dir() else 0)):
+            raise ValueError(f"{field}={value} is not readable by this user; check its permissions")
+
+
+def cpu_precision(precision: str, accelerator: str, *, explicit: bool) -> tuple[str, str]:
+    """The precision to run and a line to print, for 16-bit precisions on a CPU.
+
+    float16 autocast has no fast CPU kernels (the ADE20K recipe ran about 20x slower than in
+    float32), so a recipe's 16-bit default falls back to 32 on a CPU; an explicit
+    ``--precision`` is obeyed, with a warning.
+    """
+    from gputrain.dist import resolve_accelerator
+
+    if precision not in SLOW_ON_CPU or resolve_accelerator(accelerator) != "cpu":
+        return precision, ""
+    if explicit:
+        return precision, (f"gputrain: warning: precision {precision} on a CPU: 16-bit autocast runs about 20x slower "
+                           "there than 32")
+    return "32", (f"gputrain: precision {precision} (from the recipe) falls back to 32 on a CPU, where 16-bit autocast "
+                  f"is about 20x slower; pass --precision {precision} to use it anyway")
+
+
+def devices_note(strategy: str, devices: int, accelerator: str) -> str:
+    """A line when the strategy starts fewer processes than ``--devices`` asks for (dp: one process)."""
+    from gputrain.dist import resolve_accelerator
+    from gputrain.strategies import strategy_class
+
+    procs = strategy_class(strategy).processes_per_node(devices)
+    if procs >= devices:
+        return ""
+    where = ("on a CPU it uses one device" if resolve_accelerator(accelerator) == "cpu"
+             else "its own options pick the GPUs it drives, e.g. trainer.dp_device_ids for dp")
+    return (f"gputrain: strategy {strategy} runs {procs} process per node, so --devices {devices} starts no more "
+            f"processes ({where}); use --strategy ddp for one process per device")

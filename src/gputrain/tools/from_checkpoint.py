@@ -1,0 +1,153 @@
+"""Rebuild what a checkpoint was trained with: its saved config, its model, and one line when they do not fit.
+
+Every gputrain checkpoint carries the resolved config of its run (``state["config"]``), model
+arguments derived from the data (``num_classes``) included. ``gputrain eval`` and ``gputrain
+export onnx`` start from it, so a checkpoint needs no recipe and no repeated ``model.kwargs``
+overrides; command-line overrides still win. A model that does not fit the weights is reported
+as the first differing keys and shapes and the config fields that decide them, not as a
+``load_state_dict`` traceback.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from gputrain.config import RunConfig, load_config
+
+PYTHON_TASK = "custom"
+"""``task`` saved by runs of the Python API (``Trainer(...).fit(model, ...)``); ``model.name`` is the class."""
+
+_NOT_CARRIED = {"out": "", "resume": "", "overwrite": False, "devices": 1}
+"""Trainer fields of the training run that say where and how big it ran, not what to evaluate."""
+
+
+def load_for_eval(path: str | Path) -> dict[str, Any]:
+    """A gputrain checkpoint, or a bare ``state_dict`` file as ``{"model": ...}`` (it has no saved config).
+
+    Errors are the checkpoint loader's one line naming the file (truncated, corrupt, unsafe).
+    """
+    from gputrain.checkpoint import load_checkpoint, model_weights
+
+    try:
+        return load_checkpoint(path)
+    except ValueError as first:
+        try:
+            return {"model": model_weights(path)}
+        except Exception:  # not a state_dict either: the first message says why
+            raise first from None
+
+
+def saved_config(state: dict[str, Any]) -> dict[str, Any] | None:
+    """The config dict a checkpoint was saved with, or None for checkpoints without one."""
+    saved = state.get("config")
+    return saved if isinstance(saved, dict) and saved else None
+
+
+def python_run_message(path: str | Path, saved: dict[str, Any], command: str) -> str:
+    """What to do with a checkpoint of a Python-API run, whose model only the user's code can build."""
+    name = saved.get("model", {}).get("name") or "your model"
+    if command == "export":
+        return (f"checkpoint {path} was trained from Python with model {name}; export it from Python with "
+                f"gputrain.tools.export.export_model(model, {str(path)!r}, 'model.onnx', input_shape=[1, 3, H, W]), "
+                f"where model is a new {name} built as in training")
+    return (f"checkpoint {path} was trained from Python with model {name}; `gputrain eval` builds recipe tasks only: "
+            f"load it with model.load_state_dict(gputrain.checkpoint.load_checkpoint({str(path)!r})['model']) and "
+            "call Trainer(...).validate(model, val_data, task=...)")
+
+
+def _as_layer(saved: dict[str, Any]) -> dict[str, Any]:
+    """The saved config as a layer for :func:`~gputrain.config.load_config`, without where the run ran."""
+    layer = {k: v for k, v in saved.items() if k != "launch"}
+    layer["trainer"] = {**saved.get("trainer", {}), **_NOT_CARRIED}
+    return layer
+
+
+def config_from_checkpoint(state: dict[str, Any], path: str | Path, *, recipe: str | None, overrides: list[str],
+                           command: str = "eval") -> tuple[RunConfig, str]:
+    """The config to evaluate or export a checkpoint with, and a note to print (or "").
+
+    Without a recipe: the saved config, then ``overrides``. With one: the recipe says how to run
+    (trainer, launch), the checkpoint says what it is (task, model, data), then ``overrides``.
+    """
+    saved = saved_config(state)
+    if saved is None:
+        if not recipe:
+            raise ValueError(f"checkpoint {path} holds no saved config (an older or hand-made file); name the recipe "
+                             f"it was trained with: gputrain {command} RECIPE --checkpoint {path}")
+        return load_config(recipe, overrides), ""
+    if saved.get("task") == PYTHON_TASK:
+        raise ValueError(python_run_message(path, saved, command))
+    if not recipe:
+        return load_config(None, overrides, layers=[_as_layer(saved)]), ""
+    trained: dict[str, Any] = {k: saved[k] for k in ("task", "model", "data") if k in saved}
+    cfg = load_config(recipe, overrides, layers=[trained])
+    plain = load_config(recipe)
+    note = ""
+    if (plain.task, plain.model.name or cfg.model.name) != (cfg.task, cfg.model.name):
+        note = (f"gputrain: {path} was trained with task={cfg.task} model.name={cfg.model.name}, not the recipe's "
+                f"task={plain.task} model.name={plain.model.name or '(default)'}; evaluating it as trained")
+    return cfg, note
+
+
+def _shape(t: torch.Tensor) -> str:
+    return "x".join(str(n) for n in t.shape) or "scalar"
+
+
+def misfit(model_state: dict[str, torch.Tensor], weights: dict[str, torch.Tensor], limit: int = 3) -> str:
+    """The first differences between a model's state_dict and checkpoint weights, as one phrase ("" if none)."""
+    shapes = [f"{k} is {_shape(weights[k])} in the checkpoint but {_shape(v)} in the model"
+              for k, v in model_state.items() if k in weights and weights[k].shape != v.shape]
+    missing = [k for k in model_state if k not in weights]
+    extra = [k for k in weights if k not in model_state]
+    parts = shapes[:limit] + ([f"{len(shapes) - limit} more shapes differ"] if len(shapes) > limit else [])
+    if missing:
+        parts.append(f"missing from the checkpoint: {', '.join(missing[:limit])}" + (f" ({len(missing)} in all)"
+                                                                                   if len(missing) > limit else ""))
+    if extra:
+        parts.append(f"not in the model: {', '.join(extra[:limit])}" + (f" ({len(extra)} in all)"
+                                                                       if len(extra) > limit else ""))
+    return "; ".join(parts)
+
+
+def _setting_diffs(cfg: RunConfig, saved: dict[str, Any] | None) -> list[str]:
+    """``model.*`` fields set differently here than in the checkpoint's config."""
+    if not saved:
+        return []
+    trained = saved.get("model", {})
+    diffs = []
+    if trained.get("name") and trained["name"] != cfg.model.name:
+        diffs.append(f"model.name={cfg.model.name} here but {trained['name']} in training")
+    old, new = trained.get("kwargs", {}) or {}, cfg.model.kwargs
+    for key in sorted(set(old) | set(new)):
+        if old.get(key) != new.get(key):
+            diffs.append(f"model.kwargs.{key}={new.get(key)!r} here but {old.get(key)!r} in training")
+    return diffs
+
+
+def load_fitting(model: nn.Module, weights: dict[str, torch.Tensor], *, path: str | Path,
+                 cfg: RunConfig | None = None, saved: dict[str, Any] | None = None) -> nn.Module:
+    """``model.load_state_dict(weights)``, or one ``ValueError`` line naming what differs and what decides it."""
+    problem = misfit(model.state_dict(), weights)
+    if problem:
+        fields = _setting_diffs(cfg, saved) if cfg is not None else []
+        decided = (f"{'; '.join(fields)}: drop the override to use the checkpoint's own config" if fields else
+                   "the architecture is decided by model.name and model.kwargs.*; use the values it was trained with")
+        built = f" {cfg.model.name} with model.kwargs={cfg.model.kwargs}" if cfg is not None else ""
+        raise ValueError(f"checkpoint {path} does not fit the model{built}: {problem}; {decided}")
+    model.load_state_dict(weights)
+    return model
+
+
+def build_fitting_model(cfg: RunConfig, state: dict[str, Any], path: str | Path) -> nn.Module:
+    """The model ``cfg`` names, with the checkpoint's weights loaded (or the one-line misfit error)."""
+    from gputrain.models import build_model
+
+    try:
+        model = build_model(cfg.model.name, **cfg.model.kwargs)
+    except TypeError as err:  # an argument the builder does not take
+        raise ValueError(f"model.name={cfg.model.name} model.kwargs={cfg.model.kwargs}: {err}") from None
+    return load_fitting(model, state["model"], path=path, cfg=cfg, saved=saved_config(state))
