@@ -31,7 +31,7 @@ State = Any
 """A tensor, or a tuple of tensors carried between blocks."""
 
 SPLIT_HELP = (
-    "make it splittable: build it as an nn.Sequential, or give trainer.parallel.split_points on a model "
+    "make it splittable: build it as an nn.Sequential, or give parallel.split_points on a model "
     "whose top-level children run in order (their names are the split points)"
 )
 

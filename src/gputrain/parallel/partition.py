@@ -162,7 +162,7 @@ def partition_by_params(params: Sequence[int], n_stages: int) -> list[int]:
 
 
 def plan_from_split_points(
-    names: Sequence[str], split_points: Sequence[str], *, field: str = "trainer.parallel.split_points"
+    names: Sequence[str], split_points: Sequence[str], *, field: str = "parallel.split_points"
 ) -> list[int]:
     """Split indices from hand-given block names that start stages 2..K (``field`` names the setting)."""
     index = {name: i for i, name in enumerate(names)}
@@ -196,9 +196,9 @@ def activation_scale(n_stages: int, micro_batches: int, schedule: str = "gpipe")
     1F1B starts backwards as soon as the last stage can: stage s (1-based) holds min(M, K - s + 1).
     """
     if schedule not in SCHEDULES:
-        raise ValueError(f"trainer.parallel.schedule={schedule!r} is unknown; choose one of {SCHEDULES}")
+        raise ValueError(f"parallel.schedule={schedule!r} is unknown; choose one of {SCHEDULES}")
     if micro_batches < 1:
-        raise ValueError(f"trainer.parallel.micro_batches={micro_batches} must be at least 1")
+        raise ValueError(f"parallel.micro_batches={micro_batches} must be at least 1")
     if schedule == "gpipe":
         return [1.0] * n_stages
     return [min(micro_batches, n_stages - s) / micro_batches for s in range(n_stages)]
@@ -307,7 +307,7 @@ def plan_from_costs(
     if split_points:
         if len(split_points) != n_stages - 1:
             raise ValueError(
-                f"trainer.parallel.split_points has {len(split_points)} names for {n_stages} stages; "
+                f"parallel.split_points has {len(split_points)} names for {n_stages} stages; "
                 f"give {n_stages - 1} (the blocks that start stages 2..{n_stages})"
             )
         split, method = plan_from_split_points(names, split_points), "split_points"
@@ -325,7 +325,7 @@ def plan_from_costs(
         )
         method = partition
     else:
-        raise ValueError(f"trainer.parallel.partition={partition!r} is unknown; choose one of {PARTITIONS}")
+        raise ValueError(f"parallel.partition={partition!r} is unknown; choose one of {PARTITIONS}")
     return make_plan(costs, split, micro_batches=micro_batches, schedule=schedule, method=method)
 
 

@@ -1,0 +1,258 @@
+"""What model_parallel and pipeline share: stage devices, micro-batch cutting, and choosing the split.
+
+Pure functions (devices, sizes, which block goes where) are tested without processes or GPUs
+(tests/unit/test_model_parallel_placement.py). :func:`choose_split` is the one place that turns
+``parallel.*`` settings into split indices and the plan text printed at start.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from gputrain.config import RunConfig
+    from gputrain.parallel.blocks import Block
+
+GIB = 1024**3
+
+
+@dataclass(frozen=True, kw_only=True)
+class SplitOptions:
+    """The ``parallel.*`` settings that decide how a model is cut, plus what profiling needs to know."""
+
+    stages: int
+    micro_batches: int
+    split_points: tuple[str, ...] = ()
+    partition: str = "measured"
+    schedule: str = "gpipe"
+    memory_caps: tuple[float, ...] = ()
+    """Bytes per stage (one value for all, or one per stage); empty: the device's memory on CUDA, none on CPU."""
+    batch_size: int = 1
+    """trainer.batch_size: the batch each step's micro-batches are cut from."""
+    optimizer: str = "sgd"
+
+    @property
+    def micro_batch_size(self) -> int:
+        return split_size(self.batch_size, self.micro_batches)
+
+    @property
+    def needs_profile(self) -> bool:
+        """Only the measured partitioner needs an example batch (and so waits for the first one)."""
+        return not self.split_points and self.partition == "measured" and self.stages > 1
+
+    @classmethod
+    def from_config(cls, cfg: RunConfig, stages: int) -> SplitOptions:
+        p = cfg.parallel
+        if p.micro_batches < 1:
+            raise ValueError(f"parallel.micro_batches={p.micro_batches} must be at least 1")
+        if p.partition not in ("measured", "params"):
+            raise ValueError(f"parallel.partition={p.partition!r} is unknown; choose measured or params")
+        if p.schedule not in ("gpipe", "1f1b"):
+            raise ValueError(f"parallel.schedule={p.schedule!r} is unknown; choose gpipe or 1f1b")
+        if p.split_points and len(p.split_points) != stages - 1:
+            raise ValueError(
+                f"parallel.split_points has {len(p.split_points)} names for {stages} stages; give {stages - 1} "
+                f"(the blocks that start stages 2..{stages})"
+            )
+        return cls(stages=stages, micro_batches=p.micro_batches, split_points=tuple(p.split_points),
+                   partition=p.partition, schedule=p.schedule,
+                   memory_caps=tuple(g * GIB for g in p.stage_memory_gib), batch_size=cfg.trainer.batch_size,
+                   optimizer=cfg.optim.name)
+
+
+# -- devices -----------------------------------------------------------------------------------
+def resolve_stage_devices(spec: Sequence[str], stages: int, *, accelerator: str, cuda_count: int) -> list[torch.device]:
+    """The device of each stage: ``spec`` (parallel.stage_devices) as given, else one GPU per stage.
+
+    Without ``spec``: ``cuda:0, cuda:1, ...`` when the accelerator is CUDA (stages beyond the GPU count
+    wrap around, so a one-GPU machine runs every stage on cuda:0), else every stage on the CPU.
+    ``spec``, when given, also sets the number of stages.
+    """
+    if not spec:
+        if stages < 1:
+            raise ValueError(f"parallel.stages={stages} must be at least 1")
+        if accelerator == "cuda" and cuda_count > 0:
+            return [torch.device("cuda", i % cuda_count) for i in range(stages)]
+        return [torch.device("cpu")] * stages
+    devices = []
+    for i, name in enumerate(spec):
+        try:
+            device = torch.device(name)
+        except RuntimeError:
+            raise ValueError(f"parallel.stage_devices[{i}]={name!r} is not a device; write cpu, cuda:0, cuda:1, ...") from None
+        if device.type == "cuda":
+            index = 0 if device.index is None else device.index
+            if index >= cuda_count:
+                raise ValueError(
+                    f"parallel.stage_devices[{i}]={name!r} but this machine has {cuda_count} visible GPU(s); "
+                    f"use cuda:0 .. cuda:{max(cuda_count - 1, 0)} or cpu"
+                )
+            device = torch.device("cuda", index)
+        devices.append(device)
+    return devices
+
+
+def stage_of_blocks(n_blocks: int, split_indices: Sequence[int]) -> list[int]:
+    """The stage (0-based) of each of ``n_blocks`` blocks cut before ``split_indices``."""
+    return [sum(1 for s in split_indices if s <= i) for i in range(n_blocks)]
+
+
+def block_devices(names: Sequence[str], split_indices: Sequence[int], devices: Sequence[torch.device]) -> dict[str, torch.device]:
+    """Block name -> the device of its stage; one device per stage."""
+    if len(devices) != len(split_indices) + 1:
+        raise ValueError(f"{len(split_indices) + 1} stages but {len(devices)} stage devices; give one per stage")
+    return {name: devices[s] for name, s in zip(names, stage_of_blocks(len(names), split_indices), strict=True)}
+
+
+# -- micro-batches -------------------------------------------------------------------------------
+def split_size(batch_size: int, micro_batches: int) -> int:
+    """Samples per micro-batch: ceil(batch / M), the tutorial's ``split_size``. A short batch gets fewer
+    micro-batches of this size (and a shorter last one), so its micro-batches are the ones that one
+    process with ``batch_size / M`` and ``accumulate_grad_batches = M`` would run."""
+    return max(1, math.ceil(batch_size / micro_batches))
+
+
+def batch_len(batch: Any) -> int:
+    """Samples in a batch: the length of its first tensor."""
+    if isinstance(batch, torch.Tensor):
+        return len(batch)
+    if isinstance(batch, dict):
+        return batch_len(next(iter(batch.values())))
+    if isinstance(batch, (list, tuple)) and batch:
+        return batch_len(batch[0])
+    raise ValueError(f"cannot cut a batch of {type(batch).__name__} into micro-batches; give tensors")
+
+
+def chunk_batch(batch: Any, size: int) -> list[Any]:
+    """``batch`` cut along dim 0 into pieces of ``size`` (the last may be shorter); nested containers kept."""
+    if isinstance(batch, torch.Tensor):
+        return list(batch.split(size))
+    if isinstance(batch, dict):
+        parts = {k: chunk_batch(v, size) for k, v in batch.items()}
+        return [dict(zip(parts, values, strict=True)) for values in zip(*parts.values(), strict=True)]
+    if isinstance(batch, (list, tuple)):
+        columns = [chunk_batch(v, size) for v in batch]
+        return [type(batch)(values) for values in zip(*columns, strict=True)]
+    raise ValueError(f"cannot cut a batch of {type(batch).__name__} into micro-batches; give tensors")
+
+
+def equal_runs(sizes: Sequence[int]) -> list[tuple[int, int]]:
+    """``[4, 4, 4, 1]`` -> ``[(0, 3), (3, 4)]``: runs of consecutive equal sizes, as (start, stop)."""
+    runs: list[tuple[int, int]] = []
+    for i, size in enumerate(sizes):
+        if runs and sizes[runs[-1][0]] == size:
+            runs[-1] = (runs[-1][0], i + 1)
+        else:
+            runs.append((i, i + 1))
+    return runs
+
+
+def cat_outputs(outputs: Sequence[Any]) -> Any:
+    """Concatenate micro-batch outputs along dim 0 (tensors, or tuples of tensors)."""
+    first = outputs[0]
+    if isinstance(first, torch.Tensor):
+        return torch.cat(list(outputs))
+    if isinstance(first, tuple):
+        return tuple(torch.cat([o[i] for o in outputs]) for i in range(len(first)))
+    raise ValueError(f"the model's last stage returned {type(first).__name__}; split models must return tensors")
+
+
+# -- choosing the split ----------------------------------------------------------------------------
+def memory_caps(options: SplitOptions, devices: Sequence[torch.device]) -> list[float] | None:
+    """Per-stage caps in bytes: given ones, else each CUDA device's memory; None on CPU (no cap)."""
+    if options.memory_caps:
+        return list(options.memory_caps)
+    if all(d.type == "cuda" for d in devices):
+        return [float(torch.cuda.get_device_properties(d).total_memory) for d in devices]
+    return None
+
+
+def choose_split(blocks: Sequence[Block], options: SplitOptions, devices: Sequence[torch.device],
+                 example: Any = None, labels: Sequence[str] = ()) -> tuple[list[int], str]:
+    """Split indices for ``options.stages`` stages and the plan text to print.
+
+    Hand split points and the parameter-count partition need no data. The measured partition
+    profiles every block (already on ``devices[0]``) on ``example``, one micro-batch, and scales
+    the figures to the whole batch; the profiler restores BatchNorm statistics, and the RNG is
+    forked so that profiling draws no random numbers from the training stream. ``labels`` say where
+    each stage runs in the printed plan (default: its device).
+    """
+    # gputrain.parallel imports torchvision (its block adapters): imported when a model is split, not with gputrain.
+    from gputrain.parallel.partition import (
+        format_plan,
+        partition_by_params,
+        plan_from_costs,
+        plan_from_split_points,
+    )
+    names = [name for name, _ in blocks]
+    where = list(labels) or [str(d) for d in devices]
+    if options.stages == 1:
+        return [], _simple_plan(blocks, [], where, options, "one stage")
+    if options.split_points:
+        split = plan_from_split_points(names, options.split_points, field="parallel.split_points")
+        return split, _simple_plan(blocks, split, where, options, "split_points")
+    if options.partition == "params":
+        split = partition_by_params([sum(p.numel() for p in b.parameters()) for _, b in blocks], options.stages)
+        return split, _simple_plan(blocks, split, where, options, "params")
+    from gputrain.parallel.profile import profile_blocks
+
+    if example is None:
+        raise ValueError("the measured partition needs an example batch; give parallel.split_points instead")
+    forked = [d for d in {devices[0]} if d.type == "cuda"]
+    with torch.random.fork_rng(devices=forked), torch.enable_grad():
+        costs = profile_blocks(blocks, example, device=devices[0], optimizer=options.optimizer)
+    scale = options.batch_size / batch_len(example)
+    costs = [dataclasses.replace(c, forward_backward_s=c.forward_backward_s * scale,
+                                 activation_bytes=int(c.activation_bytes * scale),
+                                 output_bytes=int(c.output_bytes * scale)) for c in costs]
+    plan = plan_from_costs(costs, options.stages, partition="measured", memory_caps=memory_caps(options, devices),
+                           micro_batches=options.micro_batches, schedule=options.schedule)
+    return list(plan.split_indices), f"{format_plan(plan)}\nstages on: {', '.join(where)}"
+
+
+def _label(names: Sequence[str]) -> str:
+    return names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]} ({len(names)} blocks)"
+
+
+def _simple_plan(blocks: Sequence[Block], split: Sequence[int], where: Sequence[str], options: SplitOptions,
+                 method: str) -> str:
+    """The plan without measured times: blocks, device and parameters per stage, and the bubble."""
+    from gputrain.parallel.partition import bubble, format_bytes
+    bounds = [0, *split, len(blocks)]
+    rows = [("stage", "blocks", "on", "params")]
+    for s, (a, b) in enumerate(zip(bounds, bounds[1:], strict=False)):
+        params = sum(p.numel() * p.element_size() for _, blk in blocks[a:b] for p in blk.parameters())
+        rows.append((str(s + 1), _label([n for n, _ in blocks[a:b]]), where[s], format_bytes(params)))
+    widths = [max(len(r[c]) for r in rows) for c in range(4)]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
+    k, m = len(bounds) - 1, options.micro_batches
+    lines.append(f"{k} stage{'s' if k != 1 else ''} by {method}, {m} micro-batch{'es' if m != 1 else ''} "
+                 f"of {options.micro_batch_size} ({options.schedule}): bubble {bubble(k, m):.1%} "
+                 "(parallel.partition=measured also predicts time and memory)")
+    return "\n".join(lines)
+
+
+# -- moving parameters after the optimizer was built ---------------------------------------------------
+def rebind_optimizer(optimizer: torch.optim.Optimizer | None, before: Sequence[torch.nn.Parameter],
+                     after: Sequence[torch.nn.Parameter]) -> None:
+    """After moving a model whose optimizer already exists: point the optimizer at the moved parameters
+    (``Module.to`` may create new ones, e.g. to ``meta``) and move its state tensors beside them."""
+    if optimizer is None:
+        return
+    moved = {id(old): new for old, new in zip(before, after, strict=True)}
+    for group in optimizer.param_groups:
+        group["params"] = [moved.get(id(p), p) for p in group["params"]]
+    state = {}
+    for p, entry in optimizer.state.items():
+        new = moved.get(id(p), p)
+        # Per-parameter tensors follow the parameter; scalars (Adam's step) stay where the optimizer keeps them.
+        state[new] = {k: v.to(new.device) if isinstance(v, torch.Tensor) and v.shape == new.shape else v
+                      for k, v in entry.items()}
+    optimizer.state.clear()
+    optimizer.state.update(state)

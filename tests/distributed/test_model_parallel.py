@@ -1,0 +1,104 @@
+"""model_parallel (one process, stages on several devices, micro-batches pipelined) computes what `single` does.
+
+On this CPU-only machine both stages sit on the CPU: the split, the pipelined micro-batches, the
+loss on concatenated outputs and the placement code all run; real copies between GPUs are
+exercised by benchmarks/model_parallel_gpu.py where GPUs exist.
+
+Exactness: without BatchNorm, a step's gradient does not depend on how the batch is cut, so the
+reference is `single` with the same batch. With BatchNorm, each micro-batch is normalised by its
+own statistics, so the reference is `single` with ``batch_size / M`` and ``accumulate_grad_batches
+= M``: the same micro-batches, the same statistics, the same running-average updates in the same
+order. Weights are compared relative to each tensor's scale (BatchNorm's running variance is in
+the hundreds, where float32 holds about 5 significant digits).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+import torchvision
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from gputrain import Trainer
+from gputrain.config import OptimConfig, ParallelConfig, RunConfig
+
+TOL = 1e-5
+
+
+def small_cnn() -> nn.Sequential:
+    """No BatchNorm: the gradient of a step is independent of how its batch is cut."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1), nn.ReLU(),
+                         nn.Flatten(), nn.Linear(8 * 8 * 8, 5))
+
+
+def data(n: int, size: int) -> TensorDataset:
+    g = torch.Generator().manual_seed(1)
+    return TensorDataset(torch.randn(n, 3, size, size, generator=g), torch.randint(0, 5, (n,), generator=g))
+
+
+def fit(out: Path, model: nn.Module, train: TensorDataset, *, strategy: str, batch: int, accumulate: int = 1,
+        parallel: ParallelConfig | None = None, epochs: int = 2, lr: float = 0.05, clip: float = 0.0) -> Trainer:
+    cfg = RunConfig(optim=OptimConfig(name="sgd", lr=lr, momentum=0.9), parallel=parallel or ParallelConfig())
+    trainer = Trainer(cfg, strategy=strategy, devices=1, accelerator="cpu", batch_size=batch,
+                      accumulate_grad_batches=accumulate, epochs=epochs, out=str(out), progress_bar=False, loggers=[],
+                      log_every_n_steps=1, grad_clip_norm=clip)
+    trainer.fit(model, train, loss=F.cross_entropy)
+    return trainer
+
+
+def step_losses(out: Path) -> list[float]:
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r["train/loss"] for r in records if "step" in r and "train/samples" not in r]
+
+
+def max_rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k].double() - b[k].double()).abs().max()) / max(1.0, float(b[k].double().abs().max()))
+               for k in a if a[k].is_floating_point())
+
+
+def weights(trainer: Trainer) -> dict[str, torch.Tensor]:
+    return {k: v.detach().cpu().clone() for k, v in trainer.strategy.model_state_dict(trainer.module).items()}
+
+
+@pytest.mark.parametrize("partition", ["split_points", "measured"])
+def test_small_cnn_matches_single_on_a_short_last_step(tmp_path, partition):
+    # 37 samples at batch 8: the last step has 5, cut into micro-batches of 2, 2 and 1.
+    train = data(37, 8)
+    parallel = ParallelConfig(micro_batches=4, split_points=["2"] if partition == "split_points" else [])
+    split = fit(tmp_path / "mp", small_cnn(), train, strategy="model_parallel", batch=8, parallel=parallel, clip=0.5)
+    single = fit(tmp_path / "single", small_cnn(), train, strategy="single", batch=8, clip=0.5)
+    assert max_rel_diff(weights(single), small_cnn().state_dict()) > 1e-3, "training must move the weights"
+    assert len(step_losses(tmp_path / "mp")) == 10
+    assert step_losses(tmp_path / "mp") == pytest.approx(step_losses(tmp_path / "single"), abs=TOL)
+    assert max_rel_diff(weights(split), weights(single)) <= TOL
+    # The checkpoint is the plain model's state_dict: it loads into the unmodified model.
+    saved = torch.load(tmp_path / "mp" / "checkpoints" / "last.pt", weights_only=True)
+    small_cnn().load_state_dict(saved["model"], strict=True)
+
+
+@pytest.mark.slow
+def test_resnet18_with_batchnorm_matches_single_accumulating_the_same_micro_batches(tmp_path):
+    # 40 samples at batch 16 in micro-batches of 4: steps of 16, 16 and 8 (two micro-batches). 64x64
+    # inputs keep layer4's BatchNorm at 4 values per channel and sample: with fewer, its normalisation
+    # turns float rounding into visible differences within a few steps, in any two runs.
+    train = data(40, 64)
+
+    def resnet() -> nn.Module:
+        torch.manual_seed(0)
+        return torchvision.models.resnet18(num_classes=5)
+
+    parallel = ParallelConfig(micro_batches=4, split_points=["layer3"])
+    split = fit(tmp_path / "mp", resnet(), train, strategy="model_parallel", batch=16, parallel=parallel, epochs=1,
+                lr=0.001)
+    single = fit(tmp_path / "single", resnet(), train, strategy="single", batch=4, accumulate=4, epochs=1, lr=0.001)
+    assert step_losses(tmp_path / "mp") == pytest.approx(step_losses(tmp_path / "single"), abs=TOL)
+    assert max_rel_diff(weights(split), weights(single)) <= TOL
+    saved = torch.load(tmp_path / "mp" / "checkpoints" / "last.pt", weights_only=True)
+    torchvision.models.resnet18(num_classes=5).load_state_dict(saved["model"], strict=True)

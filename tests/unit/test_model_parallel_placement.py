@@ -1,0 +1,155 @@
+"""Where model_parallel puts each stage, and how batches are cut: pure functions, plus `meta` as a second device.
+
+A stage on the ``meta`` device computes shapes only, and refuses an input left on the CPU: so a
+forward that forgot to move activations between stages fails here, without any GPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torchvision
+from torch import nn
+
+from gputrain.config import OptimConfig, ParallelConfig, RunConfig, TrainerConfig
+from gputrain.dist import DistInfo
+from gputrain.parallel.blocks import sequential_blocks, split_stages
+from gputrain.strategies import strategy_class
+from gputrain.strategies.model_parallel import ModelParallel, SplitModel, pipelined_forward
+from gputrain.strategies.stages import (
+    block_devices,
+    chunk_batch,
+    equal_runs,
+    resolve_stage_devices,
+    split_size,
+    stage_of_blocks,
+)
+
+CPU, META = torch.device("cpu"), torch.device("meta")
+
+
+def _net() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 4, 3, padding=1), nn.ReLU(),
+                         nn.Flatten(), nn.Linear(4 * 8 * 8, 5))
+
+
+def _strategy(*, devices: list[str], split: list[str] = (), partition: str = "params", micro: int = 2,
+              batch: int = 4) -> ModelParallel:
+    cfg = RunConfig(parallel=ParallelConfig(stage_devices=devices, split_points=list(split), partition=partition,
+                                            micro_batches=micro),
+                    trainer=TrainerConfig(strategy="model_parallel", batch_size=batch), optim=OptimConfig(name="sgd"))
+    strategy = strategy_class("model_parallel").from_config(DistInfo(), cfg)
+    assert isinstance(strategy, ModelParallel)
+    return strategy
+
+
+def test_default_devices_one_gpu_per_stage_or_all_cpu():
+    assert resolve_stage_devices([], 2, accelerator="cpu", cuda_count=0) == [CPU, CPU]
+    assert resolve_stage_devices([], 3, accelerator="cuda", cuda_count=4) == [torch.device("cuda", i) for i in range(3)]
+    # One GPU, two stages: both on cuda:0 (the GPU benchmark's fallback), not an error.
+    assert resolve_stage_devices([], 2, accelerator="cuda", cuda_count=1) == [torch.device("cuda", 0)] * 2
+
+
+def test_given_devices_set_the_stage_count_and_are_checked():
+    assert resolve_stage_devices(["cpu", "meta", "cpu"], 2, accelerator="cpu", cuda_count=0) == [CPU, META, CPU]
+    assert resolve_stage_devices(["cuda"], 2, accelerator="cuda", cuda_count=1) == [torch.device("cuda", 0)]
+    with pytest.raises(ValueError, match=r"parallel.stage_devices\[1\]='cuda:1' but this machine has 1 visible GPU"):
+        resolve_stage_devices(["cuda:0", "cuda:1"], 2, accelerator="cuda", cuda_count=1)
+    with pytest.raises(ValueError, match=r"parallel.stage_devices\[0\]='gpu0' is not a device"):
+        resolve_stage_devices(["gpu0"], 1, accelerator="cpu", cuda_count=0)
+
+
+def test_blocks_map_to_their_stage_device():
+    names = ["conv1", "bn1", "relu", "maxpool", "layer1", "layer2", "layer3", "layer4", "avgpool", "flatten", "fc"]
+    assert stage_of_blocks(len(names), [6]) == [0] * 6 + [1] * 5
+    placed = block_devices(names, [6], [CPU, META])
+    assert [n for n, d in placed.items() if d == META] == ["layer3", "layer4", "avgpool", "flatten", "fc"]
+    assert stage_of_blocks(5, [1, 3]) == [0, 1, 1, 2, 2]
+    with pytest.raises(ValueError, match="2 stages but 3 stage devices"):
+        block_devices(names, [6], [CPU, CPU, CPU])
+
+
+def test_micro_batches_have_a_fixed_size_and_short_batches_get_fewer():
+    assert split_size(8, 4) == 2 and split_size(10, 4) == 3 and split_size(3, 4) == 1
+    x, y = torch.arange(5.0).reshape(5, 1), torch.arange(5)
+    chunks = chunk_batch((x, {"y": y}), split_size(8, 4))
+    assert [len(c[0]) for c in chunks] == [2, 2, 1]
+    assert torch.equal(chunks[2][1]["y"], torch.tensor([4]))
+    assert equal_runs([2, 2, 1]) == [(0, 2), (2, 3)]
+    assert equal_runs([3, 3, 3, 3]) == [(0, 4)]
+
+
+def test_stage_on_meta_receives_moved_activations():
+    strategy = _strategy(devices=["cpu", "meta"], split=["4"])
+    module = strategy.setup_module(_net())
+    model = strategy.unwrap(module)
+    assert [p.device for p in model[0].parameters()] == [CPU, CPU]
+    assert {p.device for p in model[5].parameters()} == {META}
+    assert strategy.root_device == CPU and strategy.output_device == META
+    out = module(torch.randn(5, 3, 8, 8))
+    assert out.device == META and out.shape == (5, 5)
+
+
+def test_a_missing_move_between_stages_is_caught_by_meta():
+    stages = split_stages(sequential_blocks(_net()), [4])
+    stages[1].to(META)
+    with pytest.raises((RuntimeError, NotImplementedError)):
+        # Claims both stages are on the CPU, so the activation is never moved to stage 2's device.
+        pipelined_forward(stages, [CPU, CPU], chunk_batch(torch.randn(4, 3, 8, 8), 2))
+
+
+def test_split_resnet_matches_the_plain_model_and_keeps_its_keys():
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18(num_classes=7)
+    plain = {k: v.clone() for k, v in model.state_dict().items()}
+    strategy = _strategy(devices=["cpu", "cpu"], split=["layer3"], micro=3, batch=6)
+    module = strategy.setup_module(model).eval()
+    x = torch.randn(6, 3, 32, 32)
+    with torch.no_grad():
+        reference = torchvision.models.resnet18(num_classes=7)
+        reference.load_state_dict(plain)
+        assert torch.allclose(module(x), reference.eval()(x), atol=1e-5)
+    assert list(strategy.model_state_dict(module)) == list(plain)
+
+
+def test_measured_split_waits_for_a_batch_then_rebinds_the_optimizer(capsys):
+    strategy = _strategy(devices=["cpu", "meta"], partition="measured")
+    module = strategy.setup_module(_net())
+    assert isinstance(module, SplitModel) and module.stages is None
+    optimizer = strategy.setup_optimizer(module, OptimConfig(name="sgd", lr=0.1))
+    module(torch.randn(4, 3, 8, 8))  # profiles on the first device, then places the stages
+    assert module.stages is not None and len(module.split) == 1
+    params = list(strategy.unwrap(module).parameters())
+    assert [id(p) for p in optimizer.param_groups[0]["params"]] == [id(p) for p in params]
+    assert META in {p.device for p in params}
+    assert "2 stages by measured" in capsys.readouterr().out
+
+
+def test_bad_settings_fail_in_one_line():
+    with pytest.raises(ValueError, match=r"parallel.split_points\[0\]='layer9' is not a block"):
+        _strategy(devices=["cpu", "cpu"], split=["layer9"]).setup_module(torchvision.models.resnet18())
+    with pytest.raises(ValueError, match="parallel.split_points has 1 names for 3 stages"):
+        _strategy(devices=["cpu", "cpu", "cpu"], split=["layer3"])
+    with pytest.raises(ValueError, match="trainer.batch_size=2 is smaller than parallel.micro_batches=4"):
+        _strategy(devices=["cpu", "cpu"], micro=4).check_batch(2)
+    assert ModelParallel.processes_per_node(8) == 1
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ({"parallel": ParallelConfig(schedule="1f1b", micro_batches=1)}, "parallel.schedule=1f1b needs parallel.micro_batches >= the 2 stages"),
+    ({"trainer": TrainerConfig(precision="16-mixed")}, "does not support trainer.precision=16-mixed"),
+    ({"trainer": TrainerConfig(sync_batchnorm=True)}, "trainer.sync_batchnorm=true does not apply"),
+    ({"parallel": ParallelConfig(schedule="zb")}, "parallel.schedule='zb' is unknown"),
+])
+def test_pipeline_refuses_settings_it_cannot_honour(override, message):
+    cfg = RunConfig(**override)
+    with pytest.raises(ValueError, match=message):
+        strategy_class("pipeline").from_config(DistInfo(rank=0, world_size=2), cfg)
+
+
+def test_pipeline_reads_every_batch_on_every_stage_and_only_the_last_sees_outputs():
+    first, last = (strategy_class("pipeline").from_config(DistInfo(rank=r, world_size=2), RunConfig()) for r in (0, 1))
+    assert (first.dp_size, first.dp_rank, last.dp_size, last.dp_rank) == (1, 0, 1, 0)
+    assert (first.computes_loss, last.computes_loss) == (False, True)
+    assert strategy_class("pipeline").processes_per_node(4) == 4
