@@ -301,7 +301,7 @@ def plan_from_costs(
     micro_batches: int = 1,
     schedule: str = "gpipe",
 ) -> PipelinePlan:
-    """The plan the settings of ``trainer.parallel`` ask for: hand split points if given, else by
+    """The plan the settings of ``parallel`` (the config section) ask for: hand split points if given, else by
     measured cost under ``memory_caps`` (bytes), or by parameter count (which ignores memory)."""
     names = [c.name for c in costs]
     if split_points:
