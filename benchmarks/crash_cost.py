@@ -14,11 +14,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
 import time
-from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,14 +36,19 @@ def run(recipe: Path, out: Path, every: int, epochs: int, fault: str, step: int)
     if done.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{done.stderr[-2000:]}")
     steps = [r["step"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "lr" in r]
-    return wall, sum(c - 1 for c in Counter(steps).values()), max(steps)
+    if fault != "kill":
+        return wall, 0, max(steps)
+    # Steps completed before the crash (step - 1) minus the step the restarted workers resumed from
+    # (0 when no checkpoint existed yet and they started over).
+    resumed = re.search(r"resumed from \S+ at epoch \d+ step (\d+)", done.stdout)
+    return wall, step - 1 - (int(resumed.group(1)) if resumed else 0), max(steps)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--every", default="1,2,4,8")
-    parser.add_argument("--crash-step", type=int, default=7)
-    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--crash-step", type=int, default=12)
+    parser.add_argument("--epochs", type=int, default=3)
     args = parser.parse_args()
     tmp = Path(tempfile.mkdtemp())
     recipe = tmp / "faulty.yaml"

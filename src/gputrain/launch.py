@@ -179,6 +179,9 @@ def _failure_line(rank: int, failure: Any) -> str:
     return f"rank {rank} exited with code {failure.exitcode} without an error message"
 
 
+_PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "DistNetworkError", "DistBackendError")
+
+
 def report_failure(failures: dict[int, Any]) -> int:
     """Print the first failing rank's error (by time) as the last line; return the command's exit code.
 
@@ -186,8 +189,14 @@ def report_failure(failures: dict[int, Any]) -> int:
     only the first is shown. Crashes that are not bad input get the last lines of their traceback
     above the line. A rank that stopped for a signal (exit 130/143) printed its own line.
     """
-    rank, failure = min(failures.items(),
-                        key=lambda kv: (_gputrain_info(kv[1]).get("time", kv[1].timestamp), kv[0]))
+    def order(item: tuple[int, Any]) -> tuple[bool, float, int]:
+        # A peer's lost connection is a consequence, whatever its time: the rank that left first
+        # tears its process group down before its own error file is written.
+        line = _gputrain_info(item[1]).get("line", "")
+        consequence = any(text in line for text in _PEER_LOST)
+        return consequence, _gputrain_info(item[1]).get("time", item[1].timestamp), item[0]
+
+    rank, failure = min(failures.items(), key=order)
     if failure.exitcode in INTERRUPT_CODES:
         return failure.exitcode
     info = _gputrain_info(failure)
@@ -218,7 +227,8 @@ class WorkerErrorHandler(ErrorHandler):
         usage = isinstance(e, self.usage)
         line = str(e).strip().splitlines()[0] if usage and str(e).strip() else f"{type(e).__name__}: {e}"
         stack = traceback.format_exc()
-        info = {"line": line, "usage": usage, "time": time.time(), "traceback": stack,
+        # The time the exception was raised (stamped by the worker before teardown), not when it is recorded.
+        info = {"line": line, "usage": usage, "time": getattr(e, "gputrain_time", time.time()), "traceback": stack,
                 "exit_code": getattr(e, "exit_code", EXIT_USAGE if usage else EXIT_FAILED)}
         data = {"message": {"message": f"{type(e).__name__}: {e}",
                             "extraInfo": {"py_callstack": stack, "timestamp": str(int(time.time())), "gputrain": info}}}

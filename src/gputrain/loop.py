@@ -93,6 +93,8 @@ class Trainer:
             out = Path(t.out) if t.out else run_folder.default_run_dir(Path(str(self.cfg.task)).name.split(":")[-1])
             if for_training:
                 run_folder.check_run_folder(out, resume=t.resume, overwrite=t.overwrite)
+                # A fresh run that fails before its first step leaves nothing behind (_discard_untrained_run).
+                self._fresh_out = None if t.resume else (out, out.exists())
                 if t.overwrite:
                     run_folder.clear_run_folder(out)
                 out.mkdir(parents=True, exist_ok=True)
@@ -169,7 +171,7 @@ class Trainer:
         if resume_state is not None:
             apply_resume_state(self, resume_state)
             self.resumed = True
-            if self.dist.is_main:
+            if self.dist.is_main and self.state.epoch < t.epochs:
                 print(f"gputrain: resumed from {resume_state['_path']} at epoch {self.state.epoch + 1} "
                       f"step {self.state.global_step}", flush=True)
         self.config_dict = to_dict(self.cfg)
@@ -214,18 +216,42 @@ class Trainer:
         """Train; returns the summary (also written to ``out/summary.json``)."""
         if task is None:
             self._describe_python_run(model)
-        self._setup(model, task or Task(loss), train_data, val_data)
-        t = self.cfg.trainer
-        if self.resumed and self.state.epoch >= t.epochs:
-            return self._already_finished()
-        self._announce()
-        with StopRequest(self.dist.world_size) as self.stop:
-            try:
-                self._call("before_fit")
-                return self._fit_epochs()
-            except BaseException as err:
-                self._call("on_exception", err)
-                raise
+        try:
+            self._setup(model, task or Task(loss), train_data, val_data)
+            t = self.cfg.trainer
+            if self.resumed and self.state.epoch >= t.epochs:
+                return self._already_finished()
+            self._announce()
+            with StopRequest(self.dist.world_size) as self.stop:
+                try:
+                    self._call("before_fit")
+                    return self._fit_epochs()
+                except BaseException as err:
+                    self._call("on_exception", err)
+                    raise
+        except BaseException:
+            self._discard_untrained_run()
+            raise
+
+    def _discard_untrained_run(self) -> None:
+        """After a fresh run failed before its first optimizer step, remove what it wrote (rank 0).
+
+        Such a folder holds only a config and empty logs; left behind, it would be refused as a run
+        to continue. A folder that existed was empty (or cleared by --overwrite) when the run began.
+        """
+        import shutil
+
+        fresh = getattr(self, "_fresh_out", None)
+        if fresh is None or self.state.global_step > 0 or not self.dist.is_main:
+            return
+        out, existed = fresh
+        for path in (list(out.iterdir()) if existed and out.is_dir() else []):
+            shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
+        if not existed:
+            shutil.rmtree(out, ignore_errors=True)
+            latest = out.parent / "latest"
+            if latest.is_symlink() and not latest.exists():
+                latest.unlink()  # it pointed to the folder just removed
 
     def _fit_epochs(self) -> dict[str, Any]:
         t = self.cfg.trainer
@@ -302,6 +328,7 @@ class Trainer:
 
             (self.out / "eval.json").write_text(strict_json(metrics, indent=2))
             print(strict_json(metrics, indent=2), flush=True)
+            print(f"gputrain: wrote {self.out / 'eval.json'}", flush=True)
         return metrics
 
     def _call(self, event: str, *args: Any) -> None:

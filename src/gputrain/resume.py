@@ -158,10 +158,11 @@ def resumed_batch_size(saved_global_batch: int, dp_size: int, accumulate: int, b
     if saved_global_batch == batch_size * dp_size * accumulate:
         return batch_size
     if saved_global_batch % (dp_size * accumulate):
+        counts = [n for n in range(1, min(saved_global_batch, 64) + 1) if saved_global_batch % (n * accumulate) == 0]
         raise ValueError(
             f"checkpoint {path} was trained with global batch {saved_global_batch}, which {dp_size} process(es) x "
-            f"accumulation {accumulate} cannot split evenly; resume on a process count that divides it, or set "
-            "trainer.accumulate_grad_batches so that it does"
+            f"accumulation {accumulate} cannot split evenly; resume on {', '.join(map(str, counts))} process(es), "
+            "or set trainer.accumulate_grad_batches so that it divides"
         )
     return saved_global_batch // (dp_size * accumulate)
 

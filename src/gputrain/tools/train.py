@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shlex
+import time
 import sys
 from typing import Any
 
@@ -41,5 +42,9 @@ def train_from_config(cfg: RunConfig) -> dict[str, Any]:
         argv = sys.argv[1:]
         trainer = Trainer(cfg, resume_command=lambda out: resume_command(argv, str(out)))
         return trainer.fit(spec.model, spec.train_data, spec.val_data, task=spec.task)
+    except BaseException as err:
+        # When it failed, before teardown makes the other ranks fail too: the launcher shows the first.
+        err.gputrain_time = time.time()  # type: ignore[attr-defined]
+        raise
     finally:
         teardown()
