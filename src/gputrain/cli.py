@@ -281,7 +281,7 @@ def _print_error(err: BaseException, worker: bool) -> None:
     """One line; a worker started by gputrain leaves it to the launcher, one under plain torchrun names its rank."""
     if worker and os.environ.get(LAUNCHER_ENV):
         return
-    rank = f"rank {os.environ.get('RANK')}: " if worker else ""
+    rank = f"rank {os.environ.get('RANK', os.environ.get('SLURM_PROCID'))}: " if worker else ""
     print(f"gputrain: error: {rank}{str(err).strip()}", file=sys.stderr, flush=True)
 
 

@@ -52,3 +52,26 @@ def build_scheduler(
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_factor(step, total_steps, steps_per_epoch, cfg)
     )
+
+
+LR_SCALING_RULES = ("none", "linear", "sqrt")
+
+
+def scaled_lr(lr: float, global_batch: int, reference_batch: int, rule: str) -> float:
+    """``lr`` tuned for ``reference_batch``, rescaled for ``global_batch`` (Goyal et al.'s linear rule, or sqrt).
+
+    ``none`` returns ``lr`` unchanged; ``linear`` gives ``lr * G / ref``; ``sqrt`` gives
+    ``lr * sqrt(G / ref)`` (often better for Adam-type optimizers). A pure function, so the
+    loop, ``gputrain doctor`` and tests compute the same number.
+    """
+    if rule not in LR_SCALING_RULES:
+        raise ValueError(f"optim.scale_lr={rule!r} is unknown; choose none, linear or sqrt")
+    if reference_batch <= 0:
+        raise ValueError(f"optim.reference_batch={reference_batch} must be a positive batch size (the global batch "
+                         f"optim.lr={lr} was tuned for)")
+    if global_batch <= 0:
+        raise ValueError(f"the global batch is {global_batch}; trainer.batch_size must be at least 1")
+    if rule == "none":
+        return lr
+    ratio = global_batch / reference_batch
+    return lr * ratio if rule == "linear" else lr * math.sqrt(ratio)

@@ -49,8 +49,9 @@ def strategy_class(name: str) -> type[Strategy]:
 def build_strategy(cfg: RunConfig, dist_info: DistInfo) -> Strategy:
     """The strategy the config names, for this process."""
     cls = strategy_class(cfg.trainer.strategy)
-    expected = cls.processes_per_node(cfg.trainer.devices) * cfg.launch.nnodes
-    if dist_info.world_size > 1 and expected == 1:
+    # The launcher (torchrun, SLURM) decided the process count, not trainer.devices: ask the class
+    # whether it can run on that many processes at all.
+    if dist_info.world_size > 1 and cls.processes_per_node(dist_info.world_size) == 1:
         raise ValueError(
             f"strategy {cls.name} runs one process but {dist_info.world_size} were started; "
             "use --strategy ddp for one process per device"

@@ -1,0 +1,121 @@
+"""Multi-node, run for real: two "nodes" on 127.0.0.1 train as one 2-rank job.
+
+Each node is its own ``gputrain train`` command (its own torchrun agent, or its own SLURM task)
+with its own ``--out`` folder, as on two machines; only the data folder is shared. The job must
+end with the weights of a 2-process single-node run of the same settings, and only rank 0's
+folder receives the run (checkpoints, summary).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from gputrain.data.imagefolder import make_frames
+from gputrain.launch import free_port
+
+pytestmark = pytest.mark.slow
+
+TIMEOUT_S = 400
+LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
+                      "MASTER_PORT")
+
+
+def _clean_env(**extra: str) -> dict[str, str]:
+    """This environment without any launcher's variables (pytest may itself run under SLURM or torchrun)."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in LAUNCHER_VARIABLES and not k.startswith(("SLURM_", "TORCHELASTIC_"))}
+    # One thread per rank: the same reduction order in every run, and 2 ranks per run on 2 cores.
+    return {**env, "OMP_NUM_THREADS": "1", **extra}
+
+
+def _train_args(data: Path, out: Path) -> list[str]:
+    return [sys.executable, "-m", "gputrain", "train", "autoencoder", "--accelerator", "cpu",
+            "--data-root", str(data), "--out", str(out), "--epochs", "2", "--batch-size", "2", "--seed", "0",
+            "trainer.progress_bar=false", "trainer.loggers=[]", "trainer.log_every_n_steps=1"]
+
+
+def _run_all(commands: list[tuple[list[str], dict[str, str]]]) -> list[subprocess.CompletedProcess]:
+    """Start every command at once (the nodes must meet), then wait for all of them."""
+    procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for cmd, env in commands]
+    done = []
+    try:
+        for proc in procs:
+            out, err = proc.communicate(timeout=TIMEOUT_S)
+            done.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    for d in done:
+        assert d.returncode == 0, f"{' '.join(map(str, d.args))} exited {d.returncode}:\n{d.stdout[-2000:]}\n" \
+                                  f"{d.stderr[-4000:]}"
+    return done
+
+
+def _weights(run: Path) -> dict[str, torch.Tensor]:
+    return torch.load(run / "checkpoints" / "last.pt", weights_only=True)["model"]
+
+
+def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+
+
+def _rank0_folder(folders: list[Path]) -> Path:
+    """The one node folder that holds the run: rank 0 owns the run folder, the other rank writes nothing."""
+    holders = [f for f in folders if (f / "checkpoints" / "last.pt").is_file()]
+    assert len(holders) == 1, f"expected exactly one node to hold the checkpoint, found {holders}"
+    for other in set(folders) - set(holders):
+        assert not other.exists() or not any(other.iterdir()), f"rank 1 wrote into {other}: {list(other.iterdir())}"
+    return holders[0]
+
+
+def _assert_one_two_rank_job(run: Path) -> None:
+    """2 ranks; 8 training images (half of 16) at a global batch of 2 x 2 make 2 steps an epoch, 2 epochs."""
+    summary = json.loads((run / "summary.json").read_text())
+    assert (summary["world_size"], summary["global_step"], summary["samples_seen"]) == (2, 4, 16)
+
+
+@pytest.fixture(scope="module")
+def frames(tmp_path_factory) -> Path:
+    return make_frames(tmp_path_factory.mktemp("data") / "frames", count=16, size=40, videos=2)  # ConvAutoencoder needs a multiple of 20
+
+
+@pytest.fixture(scope="module")
+def reference(frames, tmp_path_factory) -> dict[str, torch.Tensor]:
+    """The 2-process single-node run: ``--devices 2``."""
+    out = tmp_path_factory.mktemp("single_node") / "run"
+    _run_all([(_train_args(frames, out) + ["--devices", "2"], _clean_env())])
+    _assert_one_two_rank_job(out)
+    return _weights(out)
+
+
+def test_two_torchrun_nodes_on_loopback_train_as_one_job(frames, reference, tmp_path):
+    endpoint = f"127.0.0.1:{free_port()}"
+    folders = [tmp_path / f"node{k}" for k in range(2)]
+    _run_all([(_train_args(frames, folders[k]) + ["--nnodes", "2", "--node-rank", str(k), "--rdzv-endpoint", endpoint,
+                                                 "--devices", "1"], _clean_env()) for k in range(2)])
+    run = _rank0_folder(folders)
+    _assert_one_two_rank_job(run)
+    assert _max_diff(_weights(run), reference) <= 1e-6
+
+
+def test_two_slurm_tasks_train_as_one_job(frames, reference, tmp_path):
+    port = str(free_port())
+    folders = [tmp_path / f"task{k}" for k in range(2)]
+    commands = [(_train_args(frames, folders[k]),
+                 _clean_env(SLURM_PROCID=str(k), SLURM_NTASKS="2", SLURM_LOCALID="0", SLURM_JOB_ID="4242",
+                            MASTER_ADDR="127.0.0.1", MASTER_PORT=port)) for k in range(2)]
+    done = _run_all(commands)
+    run = _rank0_folder(folders)
+    _assert_one_two_rank_job(run)
+    assert "world_size=2" in "".join(d.stdout for d in done)
+    assert _max_diff(_weights(run), reference) <= 1e-6

@@ -1,0 +1,79 @@
+"""The doctor's conclusions from per-rank records: pure functions, fed records as the ranks write them."""
+
+from __future__ import annotations
+
+from torch.utils.data import DistributedSampler
+
+from gputrain.config import load_config
+from gputrain.data.samplers import eval_shard
+from gputrain.tools.doctor_checks import (
+    check_epoch_order,
+    check_eval_sampler,
+    check_input,
+    check_lr,
+    check_unused,
+)
+from gputrain.tools.ranks import RankOutcome
+
+
+def _ranks(*records_per_rank):
+    return [RankOutcome(rank=r, ok=True, records=list(recs)) for r, recs in enumerate(records_per_rank)]
+
+
+def _setup(indices, length, **extra):
+    return {"kind": "setup", "eval": {"indices": indices, "length": length}, "batch_size": 4, "accumulate": 1,
+            "global_batch": 8, "lr": 0.1, "unsynced_bn": [], **extra}
+
+
+def test_a_padding_eval_sampler_fails_and_the_framework_one_passes():
+    n, world = 11, 2
+    padded = [list(DistributedSampler(range(n), num_replicas=world, rank=r, shuffle=False)) for r in range(world)]
+    f = check_eval_sampler(_ranks(*([_setup(p, n)] for p in padded)))
+    assert f.status == "FAIL" and "1 evaluated twice (padding), 0 never" in f.what
+    exact = [eval_shard(n, r, world) for r in range(world)]
+    assert check_eval_sampler(_ranks(*([_setup(s, n)] for s in exact))).status == "OK"
+
+
+def _step(epoch, order=None, unused=(), wait=0.0, wall=0.01, first=False):
+    rec = {"kind": "step", "epoch": epoch, "step": 0, "unused": list(unused), "wait_s": wait, "wall_s": wall,
+           "first_of_epoch": first}
+    if order is not None:
+        rec["order"] = order
+    return rec
+
+
+def test_an_epoch_that_repeats_the_previous_order_fails():
+    same = [_step(0, [3, 1, 2], first=True), _step(1, [3, 1, 2], first=True)]
+    moved = [_step(0, [3, 1, 2], first=True), _step(1, [2, 3, 1], first=True)]
+    assert check_epoch_order(_ranks(moved, same)).status == "FAIL"
+    assert "rank(s) 1" in check_epoch_order(_ranks(moved, same)).what
+    assert check_epoch_order(_ranks(moved, moved)).status == "OK"
+    assert check_epoch_order(_ranks([_step(0, [1], first=True)])).status == "SKIP"
+
+
+def test_unused_parameters_everywhere_or_on_one_rank():
+    cfg = load_config(None, [])
+    rank0 = [{"kind": "grads", "step": 1, "unused": ["extra.weight"]}]
+    rank1 = [{"kind": "grads", "step": 1, "unused": []}]
+    f = check_unused(_ranks(rank0, rank1), cfg)
+    assert f.status == "FAIL" and "extra.weight (rank 0)" in f.what and "depends on the rank" in f.what
+    f = check_unused(_ranks(rank0, rank0), cfg)
+    assert f.status == "FAIL" and "never receive a gradient on any rank: extra.weight" in f.what
+    on = load_config(None, ["trainer.find_unused_parameters=true"])
+    assert check_unused(_ranks(rank0, rank0), on).status == "WARN"
+
+
+def test_input_bound_and_the_workers_it_takes():
+    # Steps after the first of the epoch: 30 ms waiting for data, 10 ms of model step.
+    slow = [_step(0, first=True, wait=1.0, wall=2.0)] + [_step(0, wait=0.03, wall=0.04) for _ in range(3)]
+    f = check_input(_ranks(slow), workers=0)
+    assert f.status == "WARN" and "data.num_workers=3" in f.fix
+    fast = [_step(0, first=True)] + [_step(0, wait=0.001, wall=0.04) for _ in range(3)]
+    assert check_input(_ranks(fast), workers=0).status == "OK"
+
+
+def test_learning_rate_line_gives_the_scaled_values_and_other_device_counts():
+    cfg = load_config(None, ["optim.lr=0.1", "optim.scale_lr=linear", "optim.reference_batch=16"])
+    f = check_lr(_ranks([_setup([], 0, lr=0.05)]), cfg)
+    assert "global batch 8 (4/device x 2 rank(s) x 1 accumulation), lr 0.05" in f.what
+    assert "linear 0.05, sqrt 0.07071" in f.what and "4 devices: batch 16, lr 0.1" in f.what
