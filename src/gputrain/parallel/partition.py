@@ -131,17 +131,17 @@ def partition_by_cost(
     ratios = [stage_memory(s, a, b) / caps[s] for s, (a, b) in enumerate(_bounds(closest, n))]
     worst = max(range(n_stages), key=ratios.__getitem__)
     a, b = _bounds(closest, n)[worst]
-    label = [str(i) for i in range(n)] if names is None else list(names)
+    labels = [str(i) for i in range(n)] if names is None else list(names)
     need = stage_memory(worst, a, b)
     fix = f"a cap of {format_bytes(need)} per stage would fit"
     if len(set(caps)) > 1:
         fix = f"caps {ratios[worst]:.2f}x as large would fit"
     alone = [i for i in range(n) if all(stage_memory(s, i, i + 1) > caps[s] for s in range(n_stages))]
     if alone:
-        fix += f" (block {label[alone[0]]} alone exceeds every cap: lower the batch or the precision)"
+        fix += f" (block {labels[alone[0]]} alone exceeds every cap: lower the batch or the precision)"
     elif n_stages < n:
         fix += ", or use more stages"
-    span = label[a] if b - a == 1 else f"{label[a]}..{label[b - 1]}"
+    span = labels[a] if b - a == 1 else f"{labels[a]}..{labels[b - 1]}"
     raise ValueError(
         f"no {n_stages}-stage split fits the memory caps: at best stage {worst + 1} ({span}) needs "
         f"{format_bytes(need)} but its cap is {format_bytes(caps[worst])}; {fix}"
@@ -167,7 +167,7 @@ def plan_from_split_points(
     """Split indices from hand-given block names that start stages 2..K (``field`` names the setting)."""
     index = {name: i for i, name in enumerate(names)}
     valid = ", ".join(names)
-    splits = []
+    splits: list[int] = []
     for k, point in enumerate(split_points):
         if point not in index:
             raise ValueError(f"{field}[{k}]={point!r} is not a block; valid names in order: {valid}")

@@ -141,7 +141,7 @@ class Pipeline(Strategy):
         if not isinstance(module, PipelinedModel):
             return super().clip_grad_norm(module, max_norm)
         params = [p for p in module.local_parameters() if p.grad is not None]
-        grads = [p.grad for p in params]
+        grads = [p.grad for p in params if p.grad is not None]
         local = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=self.dist.device)
         total = self.all_reduce(local.double().pow(2).reshape(1)).sqrt().to(local.dtype).reshape(())
         if params:

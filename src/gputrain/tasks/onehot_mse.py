@@ -49,7 +49,7 @@ def build(cfg: RunConfig) -> TaskSpec:
     train, val = split_classfolder(cfg.data.root, val_fraction=cfg.data.val_fraction, seed=cfg.data.split_seed,
                                    train_transform=classification_transform(size, train=cfg.data.augment),
                                    val_transform=classification_transform(size, train=False))
-    found = len(train.dataset.classes)
+    found = len(train.dataset.classes)  # type: ignore[attr-defined]  # a torchvision ImageFolder
     num_classes = cfg.data.num_classes or 1000
     if num_classes < found:
         raise ValueError(f"data.num_classes={num_classes} but {cfg.data.root} has {found} class folders; "

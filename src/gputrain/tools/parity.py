@@ -263,7 +263,7 @@ def _collect(outcomes: list[Any], pending: list[Any], results: dict[str, ModeRes
     for mode in pending:
         per_rank = [o.value.get(mode.name) if o.ok and isinstance(o.value, dict) else None for o in outcomes]
         if all(v is not None and v["ok"] for v in per_rank):
-            results[mode.name] = ModeResult.from_ranks(mode.name, per_rank, dp=mode.dp)
+            results[mode.name] = ModeResult.from_ranks(mode.name, [v for v in per_rank if v is not None], dp=mode.dp)
             settled += 1
             continue
         results[mode.name] = ModeResult.failed(mode.name, outcomes, per_rank)

@@ -128,7 +128,7 @@ def _environment(defaults: dict[str, str], values: dict[str, str]) -> Iterator[N
 def flight_recorder_last() -> str:
     """This process's last recorded collective, from PyTorch's flight recorder ('' when none)."""
     try:
-        from torch._C._distributed_c10d import _dump_fr_trace_json
+        from torch._C._distributed_c10d import _dump_fr_trace_json  # type: ignore[attr-defined]  # private, in 2.14.1
 
         entries = json.loads(_dump_fr_trace_json(True, False)).get("entries", [])
     except Exception:  # noqa: BLE001 (no recorder in this build, or no process group yet)

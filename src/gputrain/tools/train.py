@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import shlex
-import time
 import sys
+import time
 from typing import Any
 
 from gputrain.config import RunConfig
