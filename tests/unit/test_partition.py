@@ -266,7 +266,7 @@ class Reversed(nn.Module):
 
 def test_unknown_models_get_a_one_line_fix():
     with pytest.raises(
-        ValueError, match=r"cannot split Custom .*nn\.Sequential, or give trainer\.parallel\.split_points"
+        ValueError, match=r"cannot split Custom .*nn\.Sequential, or give parallel\.split_points"
     ):
         sequential_blocks(Custom())
     model = Reversed()
