@@ -62,7 +62,19 @@ class Trainer:
         self.hooks: list[Hook] = []
 
     # -- setup ---------------------------------------------------------------------------
-    def _setup_runtime(self, task: Task, *, for_training: bool) -> None:
+    def prepare(self, *, for_training: bool = True) -> Path:
+        """Join the process group, build strategy and precision, and resolve the run folder; returns it.
+
+        ``fit`` does this itself; a caller that must know the folder before it builds its data (a task
+        that writes its train/val split into the run) calls it first.
+        """
+        if getattr(self, "_prepared", False):
+            return self.out
+        self._prepared = True
+        self._setup_runtime(for_training=for_training)
+        return self.out
+
+    def _setup_runtime(self, *, for_training: bool) -> None:
         """Process group, strategy, precision and run folder: what training and evaluation share."""
         t = self.cfg.trainer
         if for_training and restart_attempt() > 0 and not t.resume:
@@ -80,7 +92,6 @@ class Trainer:
                 f"or gputrain.launch(fn, devices={t.devices})"
             )
         self.precision = build_precision(t.precision, self.dist.device)
-        self.task = task
         self.out = self._run_folder(for_training)
 
     def _run_folder(self, for_training: bool) -> Path:
@@ -128,7 +139,8 @@ class Trainer:
             )
 
     def _setup(self, model: nn.Module, task: Task, train_data: Dataset, val_data: Dataset | None) -> None:
-        self._setup_runtime(task, for_training=True)
+        self.prepare(for_training=True)
+        self.task = task
         t = self.cfg.trainer  # after the runtime: an elastic restart turns resume on
         seed_everything(t.seed)
         self._check_same_length(train_data)
@@ -313,7 +325,8 @@ class Trainer:
         """Evaluate ``model`` alone (no training) on any device count; writes ``out/eval.json`` on rank 0."""
         from gputrain.hooks.progress import ProgressHook
 
-        self._setup_runtime(task, for_training=False)
+        self.prepare(for_training=False)
+        self.task = task
         self.hooks = [ProgressHook(bar=False), *self.extra_hooks]
         self.module = self.strategy.setup_module(model)
         self.val_loader = self._loader(val_data, train=False)

@@ -119,3 +119,45 @@ def test_two_slurm_tasks_train_as_one_job(frames, reference, tmp_path):
     _assert_one_two_rank_job(run)
     assert "world_size=2" in "".join(d.stdout for d in done)
     assert _max_diff(_weights(run), reference) <= 1e-6
+
+
+def _node_commands(frames: Path, folders: list[Path], extra: list[str]) -> list[tuple[list[str], dict[str, str]]]:
+    endpoint = f"127.0.0.1:{free_port()}"
+    return [(_train_args(frames, folders[k]) + ["--nnodes", "2", "--node-rank", str(k), "--rdzv-endpoint", endpoint,
+                                               "--devices", "1", *extra], _clean_env()) for k in range(2)]
+
+
+def test_resume_auto_on_two_nodes_follows_rank_0s_checkpoint(frames, reference, tmp_path):
+    # Only node 0's folder holds last.pt after epoch 1; node 1's is empty, as with node-local disks.
+    folders = [tmp_path / f"node{k}" for k in range(2)]
+    _run_all(_node_commands(frames, folders, ["--epochs", "1"]))
+    assert not folders[1].exists() or not any(folders[1].iterdir())
+    done = _run_all(_node_commands(frames, folders, ["--epochs", "2", "--resume", "auto"]))
+    assert "resumed from" in "".join(d.stdout for d in done)
+    run = _rank0_folder(folders)
+    _assert_one_two_rank_job(run)
+    assert _max_diff(_weights(run), reference) <= 1e-6  # both ranks continued from the same checkpoint
+
+
+def test_resume_auto_fails_in_one_line_when_another_node_cannot_read_the_checkpoint(frames, tmp_path):
+    # A relative --out resolved in different working folders: node 1 cannot see node 0's checkpoint.
+    homes = [tmp_path / f"home{k}" for k in range(2)]
+    for home in homes:
+        home.mkdir()
+    endpoint = f"127.0.0.1:{free_port()}"
+
+    def commands(extra: list[str]) -> list[subprocess.Popen]:
+        return [subprocess.Popen(_train_args(frames, Path("run")) + [
+            "--nnodes", "2", "--node-rank", str(k), "--rdzv-endpoint", endpoint, "--devices", "1", *extra],
+            cwd=homes[k], env=_clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for k in range(2)]
+
+    for proc in commands(["--epochs", "1"]):
+        assert proc.wait(timeout=TIMEOUT_S) == 0
+    endpoint = f"127.0.0.1:{free_port()}"
+    results = [(p.wait(timeout=TIMEOUT_S), p.communicate()[1]) for p in commands(["--epochs", "2", "--resume", "auto"])]
+    assert all(code != 0 for code, _ in results)
+    errors = "".join(err for _, err in results)
+    assert "cannot read run/checkpoints/" in errors and "the checkpoint rank 0 resumes from" in errors
+    assert "Traceback" not in errors
+    assert not (homes[1] / "run" / "checkpoints").exists()  # node 1 did not start a run of its own

@@ -169,7 +169,8 @@ def make_data(spec: RecipeRun, out: Path, *, cli: bool = False) -> Path:
     """``gputrain data make`` with the spec's arguments; in this process (the same function, without
     the command's ~4 s of imports) unless ``cli``."""
     if cli:
-        gputrain("data", "make", spec.data, "--out", str(out), "--count", str(spec.count), "--size", str(spec.size))
+        gputrain("data", "make", spec.data, "--out", str(out), "--count", str(spec.count),
+             *(("--size", str(spec.size)) if spec.size else ()))
         return out
     return make_dataset(spec.data, out, count=spec.count, size=spec.size)
 

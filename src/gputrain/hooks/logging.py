@@ -115,7 +115,8 @@ class WandbLogger(MetricLogger):
         require("wandb", "trainer.loggers=[wandb]")
         import wandb
         folder.mkdir(parents=True, exist_ok=True)
-        self.run = wandb.init(project=project, mode=mode,  # type: ignore[arg-type]  # checked by config validation dir=str(folder), config=config, name=name,
+        # mode: wandb types it as a Literal; trainer.wandb_mode is checked by config validation.
+        self.run = wandb.init(project=project, mode=mode, dir=str(folder), config=config, name=name,  # type: ignore[arg-type]
                               settings=wandb.Settings(silent=True, console="off"))
 
     def log(self, metrics: dict[str, float], *, step: int, epoch: int) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import shlex
 import sys
 import time
@@ -38,9 +39,16 @@ def train_from_config(cfg: RunConfig) -> dict[str, Any]:
     init_distributed(cfg.trainer.accelerator, timeout_s=cfg.trainer.timeout_s)  # first: building data may barrier
     seed_everything(cfg.trainer.seed)  # before the model is built: same initial weights on every rank and run
     try:
-        spec = build_task(cfg)
         argv = sys.argv[1:]
         trainer = Trainer(cfg, resume_command=lambda out: resume_command(argv, str(out)))
+        # The run folder first (checked, and new by default): a task may write into it (COCO's split).
+        out = trainer.prepare(for_training=True)
+        seed_everything(cfg.trainer.seed)  # the model is built next: the same initial weights on every rank
+        try:
+            spec = build_task(dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, out=str(out))))
+        except BaseException:
+            trainer._discard_untrained_run()  # bad data: leave no half-made run folder behind
+            raise
         return trainer.fit(spec.model, spec.train_data, spec.val_data, task=spec.task)
     except BaseException as err:
         # When it failed, before teardown makes the other ranks fail too: the launcher shows the first.
