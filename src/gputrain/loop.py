@@ -9,7 +9,6 @@ samples each step trains on is decided by the framework's :class:`~gputrain.data
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -28,6 +27,7 @@ from gputrain.loop_state import TrainState, seed_everything
 from gputrain.optim import build_scheduler
 from gputrain.precision import build_precision
 from gputrain.resume import apply_resume_state, load_resume_state, resumed_batch_size, save_checkpoint
+from gputrain.run_record import already_finished, describe_python_run, discard_untrained_run, write_summary
 from gputrain.signals import StopRequest
 from gputrain.strategies import Strategy, build_strategy
 from gputrain.tasks.base import Task
@@ -104,7 +104,7 @@ class Trainer:
             out = Path(t.out) if t.out else run_folder.default_run_dir(Path(str(self.cfg.task)).name.split(":")[-1])
             if for_training:
                 run_folder.check_run_folder(out, resume=t.resume, overwrite=t.overwrite)
-                # A fresh run that fails before its first step leaves nothing behind (_discard_untrained_run).
+                # A fresh run that fails before its first step leaves nothing behind (discard_untrained_run).
                 self._fresh_out = None if t.resume else (out, out.exists())
                 if t.overwrite:
                     run_folder.clear_run_folder(out)
@@ -227,12 +227,12 @@ class Trainer:
     ) -> dict[str, Any]:
         """Train; returns the summary (also written to ``out/summary.json``)."""
         if task is None:
-            self._describe_python_run(model)
+            self.cfg = describe_python_run(self.cfg, model)
         try:
             self._setup(model, task or Task(loss), train_data, val_data)
             t = self.cfg.trainer
             if self.resumed and self.state.epoch >= t.epochs:
-                return self._already_finished()
+                return already_finished(self)
             self._announce()
             with StopRequest(self.dist.world_size) as self.stop:
                 try:
@@ -242,28 +242,14 @@ class Trainer:
                     self._call("on_exception", err)
                     raise
         except BaseException:
-            self._discard_untrained_run()
+            self.discard_untrained_run()
             raise
 
-    def _discard_untrained_run(self) -> None:
-        """After a fresh run failed before its first optimizer step, remove what it wrote (rank 0).
-
-        Such a folder holds only a config and empty logs; left behind, it would be refused as a run
-        to continue. A folder that existed was empty (or cleared by --overwrite) when the run began.
-        """
-        import shutil
-
+    def discard_untrained_run(self) -> None:
+        """After a fresh run failed before its first optimizer step, remove what it wrote (rank 0)."""
         fresh = getattr(self, "_fresh_out", None)
-        if fresh is None or self.state.global_step > 0 or not self.dist.is_main:
-            return
-        out, existed = fresh
-        for path in (list(out.iterdir()) if existed and out.is_dir() else []):
-            shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
-        if not existed:
-            shutil.rmtree(out, ignore_errors=True)
-            latest = out.parent / "latest"
-            if latest.is_symlink() and not latest.exists():
-                latest.unlink()  # it pointed to the folder just removed
+        if fresh is not None and self.state.global_step == 0 and self.dist.is_main:
+            discard_untrained_run(*fresh)
 
     def _fit_epochs(self) -> dict[str, Any]:
         t = self.cfg.trainer
@@ -283,7 +269,7 @@ class Trainer:
                 metrics["time/val_s"] = time.perf_counter() - eval_start
             metrics["time/epoch_s"] = metrics["time/train_s"] + metrics.get("time/val_s", 0.0)
             self._call("after_epoch", metrics)
-        summary = self._summary(metrics, time.perf_counter() - start, train_time, train_samples)
+        summary = write_summary(self, metrics, time.perf_counter() - start, train_time, train_samples)
         self._call("after_fit", summary)
         return summary
 
@@ -347,45 +333,6 @@ class Trainer:
     def _call(self, event: str, *args: Any) -> None:
         for hook in self.hooks:
             getattr(hook, event)(self, *args)
-
-    def _describe_python_run(self, model: nn.Module) -> None:
-        """A run from the Python API saves a config that says so, not the defaults of a recipe it never used."""
-        cls = type(model)
-        self.cfg = dataclasses.replace(self.cfg, task="custom", model=dataclasses.replace(
-            self.cfg.model, name=f"{cls.__module__}:{cls.__qualname__}"), data=dataclasses.replace(self.cfg.data, root=""))
-
-    def _already_finished(self) -> dict[str, Any]:
-        path = self.out / "summary.json"
-        if self.dist.is_main:
-            print(f"gputrain: {self.out} is finished (epoch {self.state.epoch} of {self.cfg.trainer.epochs}); nothing "
-                  "was changed. To train longer, resume with a larger --epochs", flush=True)
-        return json.loads(path.read_text()) if path.is_file() else {"epochs": self.state.epoch}
-
-    def _summary(self, metrics: dict[str, float], wall_s: float, train_s: float, samples: float) -> dict[str, Any]:
-        t = self.cfg.trainer
-        val_iters = len(self.val_loader) if self.val_loader is not None else 0
-        summary = {
-            "final": metrics,
-            "world_size": self.dist.world_size,
-            "strategy": self.strategy.name,
-            "precision": self.precision.name,
-            "device": str(self.dist.device),
-            "batch_size_per_device": t.batch_size,
-            "global_batch": self.global_batch,
-            "iters_per_epoch": {"train": len(self.train_loader), "val": val_iters,
-                                "total": len(self.train_loader) + val_iters},
-            "epochs": self.state.epoch,
-            "global_step": self.state.global_step,
-            "samples_seen": self.state.samples_seen,
-            "wall_s": wall_s,
-            "train_s": train_s,
-            "images_per_s": samples / train_s if train_s > 0 else 0.0,
-        }
-        if self.dist.is_main:
-            from gputrain.hooks.logging import strict_json
-
-            (self.out / "summary.json").write_text(strict_json(summary, indent=2))
-        return summary
 
 
 def default_hooks(cfg: RunConfig) -> list[Hook]:

@@ -89,7 +89,7 @@ def _two_rank_worker(info, root: str, workers: int) -> dict:
     return {"full": full, "1->2": _resume(f"{root}/from1", 2, workers), "2->2": _resume(f"{root}/from2-on2", 2, workers)}
 
 
-@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("workers", [0, pytest.param(2, marks=pytest.mark.slow)])  # 2 workers: ~90 s
 def test_mid_epoch_checkpoint_resumes_exactly_on_any_world_size(tmp_path, workers):
     full, full_seen, _ = train(tmp_path / "full", batch_size=16, n=N, epochs=EPOCHS, workers=workers)
     _crash(str(tmp_path / "from1"), 1, workers)

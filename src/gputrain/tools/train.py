@@ -47,7 +47,7 @@ def train_from_config(cfg: RunConfig) -> dict[str, Any]:
         try:
             spec = build_task(dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, out=str(out))))
         except BaseException:
-            trainer._discard_untrained_run()  # bad data: leave no half-made run folder behind
+            trainer.discard_untrained_run()  # bad data: leave no half-made run folder behind
             raise
         return trainer.fit(spec.model, spec.train_data, spec.val_data, task=spec.task)
     except BaseException as err:
