@@ -112,6 +112,7 @@ def test_bad_override_is_refused_with_the_field_name(tmp_path):
     assert done.returncode == 2 and "trainer.epochs" in done.stderr
 
 
+@pytest.mark.slow  # four training jobs (~20 s)
 def test_bench_scale_writes_table_json_and_plot(frames, tmp_path):
     done = gputrain("bench", "scale", "autoencoder", "--devices", "1,2", "--batch-size", "8", "--epochs", "2",
                     "--accelerator", "cpu", "--out", str(tmp_path), f"data.root={frames}")
