@@ -21,18 +21,19 @@ import torch
 from torch import nn
 
 from gputrain.dist import DistInfo
-from gputrain.strategies.base import Strategy, move_to_device
+from gputrain.strategies.base import move_to_device
 from gputrain.strategies.stages import (
     SplitOptions,
+    StagedStrategy,
     cat_outputs,
     choose_split,
     chunk_batch,
-    rebind_optimizer,
+    move_and_rebind,
     resolve_stage_devices,
 )
 
 if TYPE_CHECKING:
-    from gputrain.config import OptimConfig, RunConfig
+    from gputrain.config import RunConfig
     from gputrain.parallel.blocks import Block, Stage
 
 
@@ -103,9 +104,7 @@ class SplitModel(nn.Module):
         return True
 
     def _move(self, move: Callable[[], Any]) -> None:
-        before = list(self.model.parameters())
-        move()
-        rebind_optimizer(self.optimizer, before, list(self.model.parameters()))
+        move_and_rebind(self.model, self.optimizer, move)
 
     def forward(self, x: Any) -> Any:
         chunks = chunk_batch(x, self.options.micro_batch_size)
@@ -114,10 +113,11 @@ class SplitModel(nn.Module):
         return pipelined_forward(self.stages, self.devices, chunks)
 
 
-class ModelParallel(Strategy):
+class ModelParallel(StagedStrategy):
     """One process; the model's stages on ``parallel.stage_devices`` (default: one GPU each, or all on the CPU)."""
 
     name = "model_parallel"
+    wrapper = SplitModel
 
     def __init__(self, dist_info: DistInfo, *, devices: Sequence[torch.device], options: SplitOptions) -> None:
         super().__init__(dist_info)
@@ -167,15 +167,3 @@ class ModelParallel(Strategy):
                                 "per-block time and memory")
         return split
 
-    def _announce_plan(self, text: str) -> None:
-        if self.dist.is_main:
-            print(f"gputrain: model_parallel plan\n{text}", flush=True)
-
-    def setup_optimizer(self, module: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
-        optimizer = super().setup_optimizer(module, cfg)
-        if isinstance(module, SplitModel):
-            module.optimizer = optimizer
-        return optimizer
-
-    def unwrap(self, module: nn.Module) -> nn.Module:
-        return module.model if isinstance(module, SplitModel) else super().unwrap(module)

@@ -29,21 +29,22 @@ import torch
 from torch import nn
 
 from gputrain.dist import DistInfo
-from gputrain.strategies.base import Strategy, tensors_of
+from gputrain.strategies.base import tensors_of
 from gputrain.strategies.pipeline_model import PipelinedModel
-from gputrain.strategies.stages import SplitOptions
+from gputrain.strategies.stages import SplitOptions, StagedStrategy
 
 if TYPE_CHECKING:
-    from gputrain.config import OptimConfig, RunConfig
+    from gputrain.config import RunConfig
     from gputrain.precision import Precision
     from gputrain.strategies.base import MicroBatch
     from gputrain.tasks.base import Task
 
 
-class Pipeline(Strategy):
+class Pipeline(StagedStrategy):
     """One process per stage; ``parallel.schedule`` gpipe or 1f1b over ``parallel.micro_batches`` chunks."""
 
     name = "pipeline"
+    wrapper = PipelinedModel
 
     def __init__(self, dist_info: DistInfo, *, options: SplitOptions) -> None:
         super().__init__(dist_info)
@@ -111,18 +112,6 @@ class Pipeline(Strategy):
                                 "per-block time and memory measured on rank 0")
         return module
 
-    def _announce_plan(self, text: str) -> None:
-        if self.dist.is_main:
-            print(f"gputrain: pipeline plan\n{text}", flush=True)
-
-    def setup_optimizer(self, module: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
-        optimizer = super().setup_optimizer(module, cfg)
-        if isinstance(module, PipelinedModel):
-            module.optimizer = optimizer
-        return optimizer
-
-    def unwrap(self, module: nn.Module) -> nn.Module:
-        return module.model if isinstance(module, PipelinedModel) else super().unwrap(module)
 
     def forward_backward(self, module: nn.Module, micro: MicroBatch, *, task: Task,
                          precision: Precision) -> torch.Tensor | None:

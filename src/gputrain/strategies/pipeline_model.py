@@ -26,7 +26,7 @@ from gputrain.strategies.stages import (
     choose_split,
     chunk_batch,
     equal_runs,
-    rebind_optimizer,
+    move_and_rebind,
 )
 
 if TYPE_CHECKING:
@@ -121,9 +121,7 @@ class PipelinedModel(nn.Module):
         return True
 
     def _move(self, move: Callable[[], Any]) -> None:
-        before = list(self.model.parameters())
-        move()
-        rebind_optimizer(self.optimizer, before, list(self.model.parameters()))
+        move_and_rebind(self.model, self.optimizer, move)
 
     def local_parameters(self) -> Iterator[nn.Parameter]:
         assert self.stage is not None

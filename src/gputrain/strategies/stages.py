@@ -11,12 +11,14 @@ import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from gputrain.strategies.base import Strategy
+
 if TYPE_CHECKING:
-    from gputrain.config import RunConfig
+    from gputrain.config import OptimConfig, RunConfig
     from gputrain.parallel.blocks import Block
 
 GIB = 1024**3
@@ -256,3 +258,34 @@ def rebind_optimizer(optimizer: torch.optim.Optimizer | None, before: Sequence[t
                       for k, v in entry.items()}
     optimizer.state.clear()
     optimizer.state.update(state)
+
+
+def move_and_rebind(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, move: Any) -> None:
+    """Run ``move()`` (which moves parts of ``model`` to their devices) and point ``optimizer`` at the moved parameters."""
+    before = list(model.parameters())
+    move()
+    rebind_optimizer(optimizer, before, list(model.parameters()))
+
+
+class StagedStrategy(Strategy):
+    """What model_parallel and pipeline share: a wrapper module holding the user's model, and a printed plan.
+
+    The wrapper class (``wrapper``) has ``.model`` (the unmodified model) and ``.optimizer`` (bound after
+    setup, so a split chosen on the first batch can move parameters and rebind the optimizer).
+    """
+
+    wrapper: ClassVar[type[torch.nn.Module]]
+
+    def _announce_plan(self, text: str) -> None:
+        if self.dist.is_main:
+            print(f"gputrain: {self.name} plan\n{text}", flush=True)
+
+    def setup_optimizer(self, module: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
+        optimizer = super().setup_optimizer(module, cfg)
+        if isinstance(module, self.wrapper):
+            module.optimizer = optimizer  # type: ignore[assignment]  # the wrapper declares it
+        return optimizer
+
+    def unwrap(self, module: torch.nn.Module) -> torch.nn.Module:
+        inner = module.model if isinstance(module, self.wrapper) else None
+        return inner if isinstance(inner, torch.nn.Module) else super().unwrap(module)
