@@ -102,3 +102,87 @@ def test_resnet18_with_batchnorm_matches_single_accumulating_the_same_micro_batc
     assert max_rel_diff(weights(split), weights(single)) <= TOL
     saved = torch.load(tmp_path / "mp" / "checkpoints" / "last.pt", weights_only=True)
     torchvision.models.resnet18(num_classes=5).load_state_dict(saved["model"], strict=True)
+
+
+# --- a model whose forward is not the chain of its children is refused before the first step (issue 15) ---
+SKIPNET = '''
+from torch import nn
+
+
+class SkipNet(nn.Module):
+    """stem -> body -> head as children, but forward adds a skip around body: not their chain."""
+
+    def __init__(self, num_classes: int = 4) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU())
+        self.body = nn.Sequential(nn.Conv2d(4, 4, 3, padding=1), nn.ReLU())
+        self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, num_classes))
+
+    def forward(self, x):
+        h = self.stem(x)
+        return self.head(h + self.body(h))
+
+
+def build(num_classes: int = 4, **_):
+    return SkipNet(num_classes)
+'''
+
+
+def skipnet() -> nn.Module:
+    namespace: dict = {}
+    exec(compile(SKIPNET, "skipnet.py", "exec"), namespace)
+    torch.manual_seed(0)
+    return namespace["build"](5)
+
+
+def test_a_skip_connection_is_refused_in_one_line_before_any_step(tmp_path):
+    model = skipnet()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"SkipNet do not compute its forward.*from block 'head' on.*nn\.Sequential") \
+            as refused:
+        fit(tmp_path / "mp", model, data(12, 8), strategy="model_parallel", batch=4,
+            parallel=ParallelConfig(micro_batches=2, split_points=["body"]))
+    assert "\n" not in str(refused.value)
+    # Refused before the first step: weights and BatchNorm statistics are the model's own, in train mode.
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items()) and model.training
+    assert not (tmp_path / "mp" / "checkpoints" / "last.pt").exists()
+
+
+class FlattenInForward(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.fc = nn.Conv2d(3, 2, 3, padding=1), nn.Linear(2 * 8 * 8, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.conv(x).flatten(1))
+
+
+def test_children_that_cannot_be_chained_get_one_line_not_a_shape_error(tmp_path):
+    with pytest.raises(ValueError, match=r"FlattenInForward cannot be split.*block 'fc' fails on the previous "
+                                         r"block's output \(2, 2, 8, 8\)") as refused:
+        fit(tmp_path / "mp", FlattenInForward(), data(8, 8), strategy="model_parallel", batch=4,
+            parallel=ParallelConfig(micro_batches=2, split_points=["fc"]))
+    assert "\n" not in str(refused.value)
+
+
+@pytest.mark.parametrize("strategy", ["model_parallel", "pipeline"])
+def test_cli_refuses_a_user_model_that_is_not_its_chain(tmp_path, strategy):
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "skipnet_user.py").write_text(SKIPNET)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, "-m", "gputrain"]
+    subprocess.run([*cmd, "data", "make", "classfolder", "--out", str(tmp_path / "data"), "--count", "16",
+                    "--size", "8"], check=True, capture_output=True, env=env)
+    run = subprocess.run([*cmd, "train", "resnet50-model-parallel", "--epochs", "1", "--batch-size", "4",
+                          "--data-root", str(tmp_path / "data"), "--out", str(tmp_path / "run"),
+                          "--devices", "2" if strategy == "pipeline" else "1", f"trainer.strategy={strategy}",
+                          "model.name=skipnet_user:build", "parallel.split_points=[body]", "parallel.micro_batches=2",
+                          "data.image_size=8", "data.num_classes=4"],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert run.returncode == 2, run.stdout + run.stderr
+    errors = [line for line in (run.stdout + run.stderr).splitlines() if "SkipNet" in line]
+    assert len(errors) == 1 and "from block 'head' on" in errors[0] and errors[0].startswith("gputrain: error:")
+    assert "Traceback" not in run.stderr

@@ -84,10 +84,10 @@ def test_stage_on_meta_receives_moved_activations():
     strategy = _strategy(devices=["cpu", "meta"], split=["4"])
     module = strategy.setup_module(_net())
     model = strategy.unwrap(module)
+    out = module(torch.randn(5, 3, 8, 8))  # the first batch checks the chain, then places the stages
     assert [p.device for p in model[0].parameters()] == [CPU, CPU]
     assert {p.device for p in model[5].parameters()} == {META}
     assert strategy.root_device == CPU and strategy.output_device == META
-    out = module(torch.randn(5, 3, 8, 8))
     assert out.device == META and out.shape == (5, 5)
 
 
@@ -153,3 +153,25 @@ def test_pipeline_reads_every_batch_on_every_stage_and_only_the_last_sees_output
     assert (first.dp_size, first.dp_rank, last.dp_size, last.dp_rank) == (1, 0, 1, 0)
     assert (first.computes_loss, last.computes_loss) == (False, True)
     assert strategy_class("pipeline").processes_per_node(4) == 4
+
+
+def test_the_chain_check_leaves_batchnorm_mode_and_rng_as_they_were():
+    from gputrain.strategies.stages import verify_chain
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Dropout(0.5), nn.Flatten(), nn.Linear(144, 3))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    x = torch.randn(6, 3, 8, 8) * 5 + 3
+    rng = torch.get_rng_state()
+    verify_chain(model, sequential_blocks(model), x)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # running stats untouched
+    assert model.training and torch.equal(torch.get_rng_state(), rng)
+
+
+def test_a_correct_sequential_still_trains_after_the_check():
+    strategy = _strategy(devices=["cpu", "cpu"], split=["4"])
+    module = strategy.setup_module(_net())
+    optimizer = strategy.setup_optimizer(module, OptimConfig(name="sgd", lr=0.1))
+    module(torch.randn(4, 3, 8, 8)).sum().backward()
+    optimizer.step()
+    assert isinstance(module, SplitModel) and module.stages is not None and module.split == [4]

@@ -30,6 +30,7 @@ from gputrain.strategies.stages import (
     chunk_batch,
     move_and_rebind,
     resolve_stage_devices,
+    verify_chain,
 )
 
 if TYPE_CHECKING:
@@ -78,20 +79,32 @@ class SplitModel(nn.Module):
         self.announce = announce
         self.stages: list[Stage] | None = None
         self.split: list[int] = []
+        self._planned = False
         self.optimizer: torch.optim.Optimizer | None = None
         """Set by the strategy: moved parameters are rebound in it when the split is made after it was built."""
 
     def ensure_plan(self, example: Any = None) -> bool:
-        """Choose the split and place the stages, if not yet done; False while the measured partition waits for data."""
+        """Choose the split (printing the plan), check the chain and place the stages; False until a batch comes.
+
+        Hand split points and the parameter-count partition are chosen (and checked against the block
+        names) without data; the measured partition profiles the first batch. Either way the stages
+        are placed only after the chain of blocks was compared with the model's forward on that batch.
+        """
         from gputrain.parallel.blocks import split_stages
 
         if self.stages is not None:
             return True
-        if self.options.needs_profile and example is None:
+        if not self.options.needs_profile and not self._planned:
+            self.split, text = choose_split(self.blocks, self.options, self.devices)
+            self._planned = True
+            self.announce(text)
+        if example is None:
             return False
         if self.options.needs_profile:
             self._move(lambda: self.model.to(self.devices[0]))  # the profiler measures blocks on the first device
-        self.split, text = choose_split(self.blocks, self.options, self.devices, example)
+            self.split, text = choose_split(self.blocks, self.options, self.devices, example)
+            self.announce(text)
+        verify_chain(self.model, self.blocks, example)
         stages = split_stages(self.blocks, self.split)
 
         def place() -> None:
@@ -100,7 +113,6 @@ class SplitModel(nn.Module):
 
         self._move(place)
         self.stages = stages
-        self.announce(text)
         return True
 
     def _move(self, move: Callable[[], Any]) -> None:
@@ -162,7 +174,7 @@ class ModelParallel(StagedStrategy):
         blocks = sequential_blocks(model, children_in_order=bool(self.options.split_points))
         block_key_map(model, blocks)  # refuses a model with weights outside the chain (they would stay behind)
         split = SplitModel(model, blocks, self.devices, self.options, self._announce_plan)
-        if not split.ensure_plan():
+        if not split.ensure_plan() and self.options.needs_profile:
             self._announce_plan("parallel.partition=measured: the split is chosen on the first batch, from measured "
                                 "per-block time and memory")
         return split

@@ -107,7 +107,7 @@ class Pipeline(StagedStrategy):
         blocks = sequential_blocks(model, children_in_order=bool(self.options.split_points))
         module = PipelinedModel(model, blocks, block_key_map(model, blocks), self.options, self.dist,
                                 announce=self._announce_plan)
-        if not module.ensure_plan():
+        if not module.ensure_plan() and self.options.needs_profile:
             self._announce_plan("parallel.partition=measured: the split is chosen on the first batch, from "
                                 "per-block time and memory measured on rank 0")
         return module

@@ -27,6 +27,7 @@ from gputrain.strategies.stages import (
     chunk_batch,
     equal_runs,
     move_and_rebind,
+    verify_chain,
 )
 
 if TYPE_CHECKING:
@@ -68,6 +69,7 @@ class PipelinedModel(nn.Module):
         self.optimizer: torch.optim.Optimizer | None = None
         self._runs: dict[tuple[Any, ...], _Run] = {}
         self._loss: _LossContext | None = None
+        self._split: list[int] | None = None
 
     @property
     def is_first(self) -> bool:
@@ -79,27 +81,36 @@ class PipelinedModel(nn.Module):
 
     # -- the split ------------------------------------------------------------------------------
     def ensure_plan(self, example: Any = None) -> bool:
-        """Choose the split and place this rank's stage; False while the measured partition waits for a batch.
+        """Choose the split, check the chain and place this rank's stage; False until the first batch.
 
-        Rank 0 measures and decides, the others receive the split: timings differ between ranks, and
-        the stages must agree.
+        Hand split points and the parameter-count partition are chosen (and their plan printed)
+        without data. On the first batch rank 0 measures and decides (measured partition) and
+        compares the chain of blocks with the model's forward; the others receive the split, or the
+        refusal, so that every rank stops with the same one line.
         """
         if self.stage is not None:
             return True
         o, device = self.options, self.info.device
-        if o.needs_profile and example is None:
+        ranks = [f"rank {r}" for r in range(o.stages)]
+        if not o.needs_profile and self._split is None:
+            self._split, text = choose_split(self.blocks, o, [device] * o.stages, labels=ranks)
+            self.announce(text)
+        if example is None:
             return False
-        text, ranks = "", [f"rank {r}" for r in range(o.stages)]
-        if o.needs_profile:
-            split: list[int] = []
-            if self.is_first:
-                self._move(lambda: self.model.to(device))
-                split, text = choose_split(self.blocks, o, [device] * o.stages, example, labels=ranks)
-            box = [split]
-            dist.broadcast_object_list(box, src=0)
-            split = box[0]
-        else:
-            split, text = choose_split(self.blocks, o, [device] * o.stages, labels=ranks)
+        box: list[Any] = [self._split, None]
+        if self.is_first:
+            try:
+                if o.needs_profile:
+                    self._move(lambda: self.model.to(device))
+                    box[0], text = choose_split(self.blocks, o, [device] * o.stages, example, labels=ranks)
+                    self.announce(text)
+                verify_chain(self.model, self.blocks, example)
+            except ValueError as e:
+                box[1] = str(e)
+        dist.broadcast_object_list(box, src=0)
+        if box[1] is not None:
+            raise ValueError(box[1])
+        split = box[0]
         from gputrain.parallel.blocks import split_stages
 
         stages = split_stages(self.blocks, split)
@@ -116,8 +127,6 @@ class PipelinedModel(nn.Module):
             local = {id(p) for p in self.stage.parameters()}
             for p in [p for p in self.optimizer.state if id(p) not in local]:
                 del self.optimizer.state[p]
-        if text:
-            self.announce(text)
         return True
 
     def _move(self, move: Callable[[], Any]) -> None:

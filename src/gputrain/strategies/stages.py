@@ -240,6 +240,27 @@ def _simple_plan(blocks: Sequence[Block], split: Sequence[int], where: Sequence[
     return "\n".join(lines)
 
 
+# -- checking that the chain is the model's forward ---------------------------------------------------
+CHECK_SAMPLES = 2
+"""Samples of the first batch on which the chain is compared with ``model.forward`` (eval mode: BatchNorm
+uses its running statistics, so the comparison does not depend on how many)."""
+
+
+def verify_chain(model: torch.nn.Module, blocks: Sequence[Block], example: Any) -> None:
+    """Refuse, in one line, a split whose chain of blocks does not compute ``model(example)``.
+
+    Runs on the device of the model's first parameter, in eval mode without gradients (BatchNorm
+    statistics untouched, mode restored), with the RNG forked so training draws the same numbers.
+    """
+    from gputrain.parallel.blocks import check_blocks
+    from gputrain.strategies.base import move_to_device
+
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    sample = move_to_device(chunk_batch(example, CHECK_SAMPLES)[0], device)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        check_blocks(model, blocks, sample)
+
+
 # -- moving parameters after the optimizer was built ---------------------------------------------------
 def rebind_optimizer(optimizer: torch.optim.Optimizer | None, before: Sequence[torch.nn.Parameter],
                      after: Sequence[torch.nn.Parameter]) -> None:
