@@ -175,7 +175,6 @@ class ModelParallel(StagedStrategy):
         block_key_map(model, blocks)  # refuses a model with weights outside the chain (they would stay behind)
         split = SplitModel(model, blocks, self.devices, self.options, self._announce_plan)
         if not split.ensure_plan() and self.options.needs_profile:
-            self._announce_plan("parallel.partition=measured: the split is chosen on the first batch, from measured "
-                                "per-block time and memory")
+            self._announce_wait()
         return split
 

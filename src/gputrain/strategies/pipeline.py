@@ -108,8 +108,7 @@ class Pipeline(StagedStrategy):
         module = PipelinedModel(model, blocks, block_key_map(model, blocks), self.options, self.dist,
                                 announce=self._announce_plan)
         if not module.ensure_plan() and self.options.needs_profile:
-            self._announce_plan("parallel.partition=measured: the split is chosen on the first batch, from "
-                                "per-block time and memory measured on rank 0")
+            self._announce_wait()
         return module
 
 

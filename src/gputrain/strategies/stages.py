@@ -301,6 +301,12 @@ class StagedStrategy(Strategy):
         if self.dist.is_main:
             print(f"gputrain: {self.name} plan\n{text}", flush=True)
 
+    def _announce_wait(self) -> None:
+        """One line at setup when the measured partition waits for the first batch; the plan header comes once, then."""
+        if self.dist.is_main:
+            print(f"gputrain: {self.name}: parallel.partition=measured chooses the split on the first batch, from "
+                  "per-block time and memory measured on it", flush=True)
+
     def setup_optimizer(self, module: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
         optimizer = super().setup_optimizer(module, cfg)
         if isinstance(module, self.wrapper):
