@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import re
+import sys
 import time
 import warnings
 from typing import TYPE_CHECKING, Any
@@ -162,4 +163,22 @@ def evaluate_batches(trainer: Trainer) -> dict[str, float]:
             last_inputs = move_to_device(first, strategy.root_device)
         with trainer.precision.forward_context():
             model(_empty_like(last_inputs))
-    return evaluator.compute(strategy, trainer.out)
+    metrics = evaluator.compute(strategy, trainer.out)
+    warn_non_finite(metrics, trainer.state.epoch, is_main=trainer.dist.is_main)
+    return metrics
+
+
+def warn_non_finite(metrics: dict[str, float], epoch: int, *, is_main: bool) -> None:
+    """One warning line per validation metric that is inf or NaN (JSON writes it as null), on rank 0.
+
+    Such a value is usually real, not a bug: e.g. an untrained ResNet-50 whose BatchNorm running
+    statistics come from a few 2-sample micro-batches overflows in eval mode (issue 15).
+    """
+    bad = {k: v for k, v in metrics.items() if isinstance(v, float) and not math.isfinite(v)}
+    if not bad or not is_main:
+        return
+    when = f"after epoch {epoch}" if epoch else "in evaluation"
+    for name, value in bad.items():
+        print(f"gputrain: warning: val/{name}={value} {when} is not finite: the model's eval-mode outputs overflow "
+              "(BatchNorm running statistics from too few or too small batches?); train longer, use larger "
+              "batches or a lower learning rate", file=sys.stderr, flush=True)

@@ -15,6 +15,7 @@ the hundreds, where float32 holds about 5 significant digits).
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -186,3 +187,26 @@ def test_cli_refuses_a_user_model_that_is_not_its_chain(tmp_path, strategy):
     errors = [line for line in (run.stdout + run.stderr).splitlines() if "SkipNet" in line]
     assert len(errors) == 1 and "from block 'head' on" in errors[0] and errors[0].startswith("gputrain: error:")
     assert "Traceback" not in run.stderr
+
+
+class OverflowsInEval(nn.Module):
+    """Finite in training; in eval mode its outputs overflow, as a barely trained ResNet-50's can."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3 * 8 * 8, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.fc(x.flatten(1))
+        return out if self.training else out * float("inf")
+
+
+def test_a_non_finite_validation_metric_prints_one_warning_naming_it_and_the_epoch(tmp_path, capfd):
+    cfg = RunConfig(optim=OptimConfig(name="sgd", lr=0.01))
+    trainer = Trainer(cfg, strategy="single", devices=1, accelerator="cpu", batch_size=4, epochs=1,
+                      out=str(tmp_path), progress_bar=False, loggers=[])
+    torch.manual_seed(0)
+    summary = trainer.fit(OverflowsInEval(), data(8, 8), data(8, 8), loss=F.cross_entropy)
+    warnings = [line for line in capfd.readouterr().err.splitlines() if "not finite" in line]
+    assert not math.isfinite(summary["final"]["val/loss"])
+    assert len(warnings) == 1 and warnings[0].startswith("gputrain: warning: val/loss=") and "after epoch 1" in warnings[0]
