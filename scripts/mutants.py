@@ -105,6 +105,32 @@ FAULTS: tuple[Fault, ...] = (
            ("usable = (n // self.global_batch) * self.global_batch if drop_last else n",
             "usable = (n // self.global_batch) * self.global_batch if drop_last else len(self.order)")),
           (f"{UNIT}::test_training_reads_every_sample_once_per_epoch",)),
+    # -- issue 15, task h15a: split models, pipeline and FSDP arithmetic, non-finite validation -------------
+    Fault("pipeline schedule averages chunk gradients too (scale_grads=True)", "src/gputrain/strategies/pipeline_model.py",
+          (("scale_grads=False))", "scale_grads=True))"),),
+          ("tests/distributed/test_pipeline.py::test_two_stages_match_single_on_a_short_batch_with_unequal_chunks",)),
+    Fault("pipeline chunk loss not weighted by the chunk's share of the batch",
+          "src/gputrain/strategies/pipeline_model.py",
+          (("return loss * (size / ctx.n * ctx.weight)",
+            "return loss * (ctx.weight / -(-ctx.n // self.options.micro_batch_size))"),),
+          ("tests/distributed/test_pipeline.py::test_two_stages_match_single_on_a_short_batch_with_unequal_chunks",)),
+    Fault("FSDP clips with the norm of this rank's shards only", "src/gputrain/strategies/fsdp.py",
+          (("get_total_norm([p.grad for p in params if p.grad is not None])",
+            "get_total_norm([p.grad.to_local() for p in params if p.grad is not None])"),),
+          ("tests/distributed/test_fsdp.py::test_fsdp_clips_to_the_norm_over_all_shards",)),
+    Fault("model_parallel trains a chain that is not the model's forward (check not called)",
+          "src/gputrain/strategies/model_parallel.py",
+          (("        verify_chain(self.model, self.blocks, example)\n", ""),),
+          ("tests/distributed/test_model_parallel.py::test_a_skip_connection_is_refused_in_one_line_before_any_step",
+           "tests/distributed/test_model_parallel.py::test_children_that_cannot_be_chained_get_one_line_not_a_shape_error")),
+    Fault("pipeline trains a chain that is not the model's forward (check not called)",
+          "src/gputrain/strategies/pipeline_model.py",
+          (("                verify_chain(self.model, self.blocks, example)\n", ""),),
+          ("tests/distributed/test_model_parallel.py::test_cli_refuses_a_user_model_that_is_not_its_chain[pipeline]",)),
+    Fault("non-finite validation metric passes silently", "src/gputrain/train_step.py",
+          (("    warn_non_finite(metrics, trainer.state.epoch, is_main=trainer.dist.is_main)\n", ""),),
+          ("tests/distributed/test_model_parallel.py::"
+           "test_a_non_finite_validation_metric_prints_one_warning_naming_it_and_the_epoch",)),
 )
 
 

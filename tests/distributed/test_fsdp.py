@@ -237,3 +237,26 @@ def test_sharded_checkpoint_errors_name_the_folder_and_the_keys(tmp_path):
     save_sharded(SingleDevice(DistInfo()), model, torch.optim.SGD(model.parameters(), lr=0.1), tmp_path / "ck")
     with pytest.raises(ValueError, match=r"does not fit this model: missing \[.bias., .weight.\]"):
         load_sharded(SingleDevice(DistInfo()), nn.Linear(2, 2), None, tmp_path / "ck")
+
+
+def _fsdp_clip_worker(info: DistInfo, root: str) -> dict[str, torch.Tensor]:
+    trainer = Trainer(RunConfig(optim=OptimConfig(name="sgd", lr=0.2)), strategy="fsdp", devices=2, accelerator="cpu",
+                      batch_size=BATCH, epochs=1, out=f"{root}/fsdp", progress_bar=False, loggers=[],
+                      grad_clip_norm=CLIP, max_steps_per_epoch=2)
+    trainer.fit(_model(), _data(4 * BATCH, 1), loss=nn.functional.cross_entropy)
+    return trainer.strategy.model_state_dict(trainer.module)
+
+
+CLIP = 1e-3
+"""Far below any gradient norm here: every step is clipped, so a wrong norm changes every step's update."""
+
+
+def test_fsdp_clips_to_the_norm_over_all_shards(tmp_path):
+    fsdp = run_ranks(_fsdp_clip_worker, str(tmp_path))[0]
+    single = Trainer(RunConfig(optim=OptimConfig(name="sgd", lr=0.2)), strategy="single", devices=1,
+                     accelerator="cpu", batch_size=2 * BATCH, epochs=1, out=str(tmp_path / "single"),
+                     progress_bar=False, loggers=[], grad_clip_norm=CLIP, max_steps_per_epoch=2)
+    single.fit(_model(), _data(4 * BATCH, 1), loss=nn.functional.cross_entropy)
+    want = single.strategy.model_state_dict(single.module)
+    assert _max_diff(want, _model().state_dict()) > 1e-5, "training must move the weights"
+    assert _max_diff(fsdp, want) <= 1e-6
