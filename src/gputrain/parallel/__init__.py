@@ -8,12 +8,12 @@ from gputrain.parallel.blocks import (
     Block,
     Stage,
     block_key_map,
-    check_blocks,
     run_blocks,
     sequential_blocks,
     split_stages,
     to_model_state_dict,
 )
+from gputrain.parallel.chain_check import check_blocks
 from gputrain.parallel.partition import (
     PipelinePlan,
     StagePlan,

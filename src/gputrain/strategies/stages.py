@@ -252,7 +252,7 @@ def verify_chain(model: torch.nn.Module, blocks: Sequence[Block], example: Any) 
     Runs on the device of the model's first parameter, in eval mode without gradients (BatchNorm
     statistics untouched, mode restored), with the RNG forked so training draws the same numbers.
     """
-    from gputrain.parallel.blocks import check_blocks
+    from gputrain.parallel.chain_check import check_blocks
     from gputrain.strategies.base import move_to_device
 
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
