@@ -131,6 +131,10 @@ FAULTS: tuple[Fault, ...] = (
           (("    warn_non_finite(metrics, trainer.state.epoch, is_main=trainer.dist.is_main)\n", ""),),
           ("tests/distributed/test_model_parallel.py::"
            "test_a_non_finite_validation_metric_prints_one_warning_naming_it_and_the_epoch",)),
+    Fault("plan header printed twice, once empty (measured split)", "src/gputrain/strategies/model_parallel.py",
+          (("            self._announce_wait()", "            self._announce_plan('')"),),
+          ("tests/unit/test_model_parallel_placement.py::"
+           "test_measured_split_waits_for_a_batch_then_rebinds_the_optimizer",)),
 )
 
 
