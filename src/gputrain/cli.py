@@ -47,6 +47,8 @@ commands:
                                          (runs/latest points to the newest)
   eval [RECIPE] --checkpoint PATH        evaluate a checkpoint with the config saved in it; writes eval.json
   export onnx --checkpoint PATH --out F  export a checkpoint to ONNX, checked with onnxruntime
+  predict --checkpoint PATH --input IMAGES --out DIR   run a checkpoint on images; writes predictions
+  report RUN_DIR                         draw curves.png and samples.png of a run
   data make KIND --out DIR               write a small sample data set in a real on-disk format
   bench scale RECIPE --devices 1,2       time a recipe over device counts and batch sizes
   parity RECIPE                          do all ways of running a recipe train the same model?
@@ -219,6 +221,24 @@ def cmd_export_onnx(args: argparse.Namespace, argv: Sequence[str]) -> int:
     return EXIT_OK
 
 
+def cmd_predict(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    from gputrain.tools.predict_cli import prepare_predict
+
+    cfg, extra, run = prepare_predict(args, _overrides(args, skip=(*TRAINING_ONLY, "out", "overwrite")), _is_worker())
+    if _is_worker():
+        run(cfg)
+        return EXIT_OK
+    cfg, more = _prepare(cfg, args)
+    return _launch_or_run(cfg, [*argv, *extra, *more], run)
+
+
+def cmd_report(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    from gputrain.tools.report import report_run
+
+    report_run(args.run_dir, samples=args.samples)
+    return EXIT_OK
+
+
 def _check_flags(args: argparse.Namespace) -> None:
     """Numbers no run can use, refused before anything starts, naming the flag."""
     for name, low in MINIMUM.items():
@@ -237,7 +257,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # `python -m gputrain` (what torchrun workers run) does, so 1 and N processes behave alike.
         sys.path.insert(0, os.getcwd())
     handlers = {"train": cmd_train, "eval": cmd_eval, "data make": cmd_data_make, "bench scale": cmd_bench_scale,
-                "export onnx": cmd_export_onnx}
+                "export onnx": cmd_export_onnx, "predict": cmd_predict, "report": cmd_report}
     parser = build_parser(DESCRIPTION, EPILOG, __version__, TRAINING_ONLY, handlers)
     # Dotted overrides may come after flags; argparse cannot mix a nargs="*" positional with
     # flags under sub-commands, so collect leftovers of the form key=value ourselves.
