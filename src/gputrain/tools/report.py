@@ -162,18 +162,28 @@ def report_run(run_dir: str | Path, *, samples: int = 8) -> list[Path]:
         raise ValueError(f"{metrics} has no epoch records yet; report a run that finished at least one epoch")
     written = [plot_curves(curves, run / "curves.png", title=run.resolve().name)]
     checkpoint = run / "checkpoints" / "last.pt"
-    if samples > 0 and checkpoint.is_file():
-        written.append(_samples_of_checkpoint(checkpoint, run, samples))
+    drawn = _samples_of_checkpoint(checkpoint, run, samples) if samples > 0 and checkpoint.is_file() else None
+    written += [drawn] if drawn is not None else []
     for path in written:
         print(f"gputrain: wrote {path}", flush=True)
     return written
 
 
-def _samples_of_checkpoint(checkpoint: Path, run: Path, count: int) -> Path:
+def _samples_of_checkpoint(checkpoint: Path, run: Path, count: int) -> Path | None:
     from gputrain.tasks import build_task
-    from gputrain.tools.from_checkpoint import config_from_checkpoint, load_fitting, load_for_eval, saved_config
+    from gputrain.tools.from_checkpoint import (
+        PYTHON_TASK,
+        config_from_checkpoint,
+        load_fitting,
+        load_for_eval,
+        saved_config,
+    )
 
     state = load_for_eval(checkpoint)
+    if (saved_config(state) or {}).get("task") in (PYTHON_TASK, None):
+        print(f"gputrain: {checkpoint} was trained from Python (or holds no config), so only its code can build the "
+              "model: samples.png is written at the end of such a run, not by gputrain report", flush=True)
+        return None
     cfg, _ = config_from_checkpoint(state, checkpoint, recipe=None, overrides=[], command="report")
     cfg.trainer.out = str(run)  # a task that writes its split (detection) finds it in the run again
     spec = build_task(cfg)
