@@ -41,7 +41,7 @@ class ClassificationTask(Task):
 
     def draw(self, image: torch.Tensor, output: Any, target: Any = None) -> tuple[torch.Tensor, str]:
         if not isinstance(output, dict):
-            output = self.prediction(output, tuple(image.shape[-2:]))
+            output = self.prediction(output, (int(image.shape[-2]), int(image.shape[-1])))
         prob, label = output["scores"][0], output["labels"][0]
         caption = f"{name_of(self.class_names, int(label))} {float(prob):.2f}"
         if target is not None:

@@ -45,7 +45,7 @@ class SegmentationTask(Task):
 
     def draw(self, image: torch.Tensor, output: Any, target: Any = None) -> tuple[torch.Tensor, str]:
         """The predicted classes over the image; with a target, the true classes to its left."""
-        labels = output if isinstance(output, torch.Tensor) and output.dim() == 2 else self.prediction(output, tuple(image.shape[-2:]))
+        labels = output if isinstance(output, torch.Tensor) and output.dim() == 2 else self.prediction(output, (int(image.shape[-2]), int(image.shape[-1])))
         predicted = overlay_labels(image, labels.long(), self.num_classes)
         if target is None:
             return predicted, "prediction"

@@ -34,7 +34,12 @@ def check_out(out: Path, *, overwrite: bool) -> None:
 def prepare_predict(args: argparse.Namespace, overrides: list[str],
                     worker: bool) -> tuple[RunConfig, list[str], Callable[[RunConfig], Any]]:
     """The config to predict with, overrides the workers must add, and the function each process runs."""
-    from gputrain.tools.from_checkpoint import build_fitting_model, config_from_checkpoint, load_for_eval, saved_config
+    from gputrain.tools.from_checkpoint import (
+        build_fitting_model,
+        config_from_checkpoint,
+        load_for_eval,
+        saved_config,
+    )
     from gputrain.tools.predict import predict_from_config
 
     state = load_for_eval(args.checkpoint)
