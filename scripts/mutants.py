@@ -105,6 +105,25 @@ FAULTS: tuple[Fault, ...] = (
            ("usable = (n // self.global_batch) * self.global_batch if drop_last else n",
             "usable = (n // self.global_batch) * self.global_batch if drop_last else len(self.order)")),
           (f"{UNIT}::test_training_reads_every_sample_once_per_epoch",)),
+    # -- h17b: gputrain predict and pictures of a run (issue 17 items 4, 5) --------------------
+    Fault("predict normalizes with other statistics than evaluation", "src/gputrain/tasks/classification.py",
+          (("mean=mean, std=std), eval_preprocess(cfg)", "mean=mean, std=std), normalize_transform(CIFAR_MEAN, CIFAR_STD)"),),
+          ("tests/e2e/test_predict.py::test_classification_csv_scores_as_eval",)),
+    Fault("predicted masks not in ADE20K's k + 1 encoding", "src/gputrain/tools/predict_write.py",
+          (("write_png((labels.to(torch.int16) + 1)", "write_png((labels.to(torch.int16) + 0)"),),
+          ("tests/e2e/test_predict.py::test_segmentation_masks_score_as_eval",)),
+    Fault("predict keeps rank 0's share only", "src/gputrain/tools/predict.py",
+          (("merged = {k: v for part in gathered for k, v in part.items()}", "merged = dict(gathered[0])"),),
+          ("tests/e2e/test_predict.py::test_two_processes_write_the_same_files",)),
+    Fault("predict writes into a non-empty --out", "src/gputrain/tools/predict_cli.py",
+          (("        if not overwrite:\n", "        if False:\n"),),
+          ("tests/e2e/test_predict.py::test_refusals_are_one_line",)),
+    Fault("curves count an epoch logged again after a resume twice", "src/gputrain/tools/report.py",
+          (('by_epoch[int(r["epoch"])] = r', "by_epoch[len(by_epoch) + 1] = r"),),
+          ("tests/unit/test_report.py::test_an_epoch_logged_again_after_a_resume_counts_once",)),
+    Fault("TensorBoard never receives the sample grid", "src/gputrain/hooks/logging.py",
+          (('self.writer.add_image(name, image, global_step=step, dataformats="HWC")', "pass"),),
+          ("tests/unit/test_report.py::test_tensorboard_receives_the_sample_grid_at_each_evaluation",)),
 )
 
 
