@@ -124,6 +124,9 @@ FAULTS: tuple[Fault, ...] = (
     Fault("TensorBoard never receives the sample grid", "src/gputrain/hooks/logging.py",
           (('self.writer.add_image(name, image, global_step=step, dataformats="HWC")', "pass"),),
           ("tests/unit/test_report.py::test_tensorboard_receives_the_sample_grid_at_each_evaluation",)),
+    Fault("predicted detections keep model labels, not the annotation file's ids", "src/gputrain/tools/predict_write.py",
+          (("detections_to_coco(output, image_id, task.label_to_category,", "detections_to_coco(output, image_id, None,"),),
+          ("tests/e2e/test_predict.py::test_detections_take_the_annotation_files_ids",)),
 )
 
 

@@ -177,3 +177,28 @@ def test_detection_json_scores_as_eval_with_the_annotation_ids(tmp_path: Path) -
             found.summarize()
             assert found.stats[0] == metrics[f"val/{iou_type}_mAP"]
             assert found.stats[1] == metrics[f"val/{iou_type}_mAP50"]
+
+
+@pytest.mark.filterwarnings("ignore:__array__ implementation doesn't accept a copy keyword:DeprecationWarning")
+def test_detections_take_the_annotation_files_ids(tmp_path: Path) -> None:
+    from torchvision.io import write_jpeg
+
+    from gputrain.tasks.detection import DetectionTask
+    from gputrain.tools.predict import list_inputs
+    from gputrain.tools.predict_write import write_predictions
+
+    for name in ("img_3.jpg", "img_5.jpg", "new.jpg"):
+        write_jpeg(torch.full((3, 16, 16), 90, dtype=torch.uint8), str(tmp_path / name))
+    task = DetectionTask(tmp_path / "instances.json", {1: 7, 2: 9}, class_names=["background", "cat", "dog"],
+                         image_ids={"images/img_3.jpg": 3, "img_5.jpg": 5})
+    masks = torch.zeros(2, 1, 16, 16, dtype=torch.bool)
+    masks[:, :, 2:8, 2:8] = True
+    result = {"boxes": torch.tensor([[2.0, 2.0, 8.0, 8.0], [1.0, 1.0, 4.0, 5.0]]), "labels": torch.tensor([2, 1]),
+              "scores": torch.tensor([0.9, 0.6]), "masks": masks}
+    inputs = list_inputs([str(tmp_path / n) for n in ("new.jpg", "img_5.jpg", "img_3.jpg")])
+    write_predictions(task, inputs, {0: result, 1: result, 2: result}, tmp_path / "out")
+    entries = json.loads((tmp_path / "out/predictions.json").read_text())
+    assert [e["image_id"] for e in entries] == [3, 3, 5, 5, 6, 6]  # sorted by id; new.jpg gets one past the file's
+    assert [e["category_id"] for e in entries[:2]] == [9, 7]
+    assert entries[0]["bbox"] == [2.0, 2.0, 6.0, 6.0] and entries[0]["segmentation"]["size"] == [16, 16]
+    assert sorted(p.name for p in (tmp_path / "out/overlays").iterdir()) == ["img_3.jpg", "img_5.jpg", "new.jpg"]

@@ -81,6 +81,13 @@ def test_tensorboard_receives_the_sample_grid_at_each_evaluation(tmp_path: Path)
     assert len(images) == 2 and images[0].width > 100 and images[0].height > 50
 
 
+def test_wandb_receives_the_sample_grid_at_each_evaluation(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    _fit(tmp_path / "run", epochs=2, loggers=("wandb",))
+    media = list((tmp_path / "run" / "wandb").glob("wandb/offline-run-*/files/media/images/val/samples_*.png"))
+    assert len(media) == 2 and all(_png_size(m)[0] > 100 for m in media)
+
+
 def test_report_command_redraws_a_recipe_run(tmp_path: Path, monkeypatch, capsys) -> None:
     monkeypatch.chdir(tmp_path)
     make_frames(tmp_path / "frames", count=12, size=20, videos=2)

@@ -3,7 +3,7 @@
 Written at the end of training (:class:`~gputrain.hooks.pictures.PicturesHook`) and by
 ``gputrain report RUN_DIR``. Curves come from ``metrics.jsonl``: one record per epoch, the last
 one kept where a resumed run logged an epoch again, so a run resumed any number of times draws one
-continuous curve. Samples are the first validation images, drawn by the task's ``draw``.
+continuous curve. Samples are validation images spread over the set, drawn by the task's ``draw``.
 """
 
 from __future__ import annotations
@@ -74,6 +74,9 @@ def plot_curves(curves: dict[str, tuple[list[int], list[float]]], path: Path, ti
         for name in names:
             epochs, values = curves[name]
             ax.plot(epochs, values, "o-", markersize=3, label=name)
+        values = [v for n in names for v in curves[n][1]]
+        if label == "loss" and values and min(values) > 0 and max(values) > 20 * min(values):
+            ax.set_yscale("log")  # a spike (or a fast first epoch) would flatten the rest to a line
         ax.set_xlabel("epoch")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_ylabel(label)
@@ -96,14 +99,16 @@ def _one(x: Any, i: int) -> Any:
 
 def sample_pictures(task: Any, model: nn.Module, val_data: Dataset, count: int, device: torch.device,
                     forward_context: Callable[[], Any] | None = None) -> list[Picture]:
-    """The first ``count`` validation samples, predicted by ``model`` (put in eval mode here) and drawn by the task.
+    """``count`` validation samples spread evenly over the set, predicted by ``model`` (put in eval mode here) and drawn by the task.
 
     Every rank of a run may call it with the same arguments: it reads no random state.
     """
     collate = task.collate_fn() or default_collate
     model.eval()
     pictures = []
-    for i in range(min(count, len(val_data))):  # type: ignore[arg-type]
+    n = len(val_data)  # type: ignore[arg-type]
+    # Spread over the set (neighbours are often alike: frames of one video, one class folder).
+    for i in sorted({k * n // count for k in range(count)}) if count > 0 else []:
         # One image a forward: validation images may differ in size, and eval mode makes it the same.
         inputs, targets = task.split_batch(collate([val_data[i]]))
         with torch.no_grad(), (forward_context() if forward_context else contextlib.nullcontext()):
