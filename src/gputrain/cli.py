@@ -224,12 +224,12 @@ def cmd_export_onnx(args: argparse.Namespace, argv: Sequence[str]) -> int:
 def cmd_predict(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from gputrain.tools.predict_cli import prepare_predict
 
-    cfg, extra, run = prepare_predict(args, _overrides(args, skip=(*TRAINING_ONLY, "out", "overwrite")), _is_worker())
+    cfg, extra, run = prepare_predict(args, _overrides(args, skip=(*TRAINING_ONLY, "out", "overwrite")), _is_worker(),
+                                      explicit_precision=_explicit(args, "trainer.precision", "precision"))
     if _is_worker():
         run(cfg)
         return EXIT_OK
-    cfg, more = _prepare(cfg, args)
-    return _launch_or_run(cfg, [*argv, *extra, *more], run)
+    return _launch_or_run(cfg, [*argv, *extra], run)
 
 
 def cmd_report(args: argparse.Namespace, argv: Sequence[str]) -> int:

@@ -143,6 +143,15 @@ def test_refusals_are_one_line(classes: Path, tmp_path: Path) -> None:
     assert code == 0 and (tmp_path / "full" / "notes.txt").is_file() and (tmp_path / "full/predictions.csv").is_file()
 
 
+def test_predict_needs_no_training_data(classes: Path, tmp_path: Path) -> None:
+    """On a machine without the training set, classes are written by index (names come from its folders)."""
+    _run(["predict", "--checkpoint", classes / "run/checkpoints/last.pt", "--input", classes / "val/circle/00000.jpg",
+          "--out", tmp_path / "pred", "--accelerator", "cpu", f"data.root={tmp_path / 'gone'}",
+          f"data.val_root={tmp_path / 'gone'}"])
+    (row,) = list(csv.DictReader((tmp_path / "pred/predictions.csv").open()))
+    assert row["file"] == str(classes / "val/circle/00000.jpg") and row["class"] == row["label"]
+
+
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:__array__ implementation doesn't accept a copy keyword:DeprecationWarning")
 def test_detection_json_scores_as_eval_with_the_annotation_ids(tmp_path: Path) -> None:

@@ -11,8 +11,8 @@ from typing import Any
 from gputrain.config import RunConfig
 from gputrain.tools.predict import OUTPUTS, check_readable, list_inputs
 
-RUN_HERE = ("trainer.strategy=ddp", "trainer.sync_batchnorm=false")
-"""Prediction needs no model split and no BatchNorm statistics: DDP's sampler and one whole model per process."""
+RUN_HERE = ("trainer.strategy=ddp", "trainer.sync_batchnorm=false", "trainer.loggers=[]")
+"""Prediction needs no model split, no BatchNorm statistics and no logger: one whole model per process."""
 
 
 def check_out(out: Path, *, overwrite: bool) -> None:
@@ -31,8 +31,8 @@ def check_out(out: Path, *, overwrite: bool) -> None:
                 path.unlink()
 
 
-def prepare_predict(args: argparse.Namespace, overrides: list[str],
-                    worker: bool) -> tuple[RunConfig, list[str], Callable[[RunConfig], Any]]:
+def prepare_predict(args: argparse.Namespace, overrides: list[str], worker: bool, *,
+                    explicit_precision: bool = False) -> tuple[RunConfig, list[str], Callable[[RunConfig], Any]]:
     """The config to predict with, overrides the workers must add, and the function each process runs."""
     from gputrain.tools.from_checkpoint import (
         build_fitting_model,
@@ -58,11 +58,21 @@ def prepare_predict(args: argparse.Namespace, overrides: list[str],
 
     if worker:
         return cfg, [], run
+    from gputrain import preflight
     from gputrain.tasks import prediction_task
+
+    # Not the training data: predict needs only the checkpoint and the images (and the packages of its task).
+    preflight.check_packages(cfg)
+    precision, line = preflight.cpu_precision(cfg.trainer.precision, cfg.trainer.accelerator,
+                                              explicit=explicit_precision)
+    if line:
+        print(line, flush=True)
+    extra = [] if precision == cfg.trainer.precision else [f"trainer.precision={precision}"]
+    cfg.trainer.precision = precision
 
     check_readable(list_inputs(args.input))
     prediction_task(cfg, annotations=args.annotations)  # a task that cannot predict, a missing --annotations
     build_fitting_model(cfg, state, args.checkpoint)  # a misfit is one line here, not N ranks' tracebacks
     check_out(out, overwrite=args.overwrite)
     out.mkdir(parents=True, exist_ok=True)
-    return cfg, [], run
+    return cfg, extra, run
