@@ -314,6 +314,7 @@ def validate(cfg: RunConfig) -> None:
     }
     for name, (value, low) in at_least.items():
         _check(value >= low, name, value, f"must be at least {low}")
+    _check(t.pictures >= 0, "trainer.pictures", t.pictures, "must be at least 0 (0 draws no pictures)")
     _check(o.lr > 0, "optim.lr", o.lr, "must be above 0")
     _check(t.timeout_s > 0, "trainer.timeout_s", t.timeout_s, "must be above 0 seconds")
     _check(0 <= d.val_fraction < 1, "data.val_fraction", d.val_fraction, "must be in [0, 1), e.g. 0.2 for an 8:2 split")
