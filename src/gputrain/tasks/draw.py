@@ -50,7 +50,9 @@ def draw_detections(image: torch.Tensor, output: Mapping[str, Any], names: Seque
         image = draw_segmentation_masks(image, masks, alpha=0.45, colors=colours)
     captions = [f"{name_of(names, int(k))} {s:.2f}" for k, s in
                 zip(labels, output["scores"].detach().cpu()[keep].tolist(), strict=True)]
-    return draw_bounding_boxes(image, boxes, labels=captions, colors=colours, width=2)
+    # Black text on a box-coloured tag: text in the class colour would vanish over the object it names.
+    return draw_bounding_boxes(image, boxes, labels=captions, colors=colours, width=2, label_colors="black",
+                               fill_labels=True)
 
 
 def side_by_side(*images: torch.Tensor, gap: int = 2) -> torch.Tensor:
