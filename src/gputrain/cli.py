@@ -222,8 +222,9 @@ def cmd_export_onnx(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
 
 def cmd_predict(args: argparse.Namespace, argv: Sequence[str]) -> int:
-    from gputrain.tools.predict_cli import prepare_predict
+    from gputrain.tools.predict_cli import prepare_predict, split_overrides
 
+    split_overrides(args)
     cfg, extra, run = prepare_predict(args, _overrides(args, skip=(*TRAINING_ONLY, "out", "overwrite")), _is_worker(),
                                       explicit_precision=_explicit(args, "trainer.precision", "precision"))
     if _is_worker():

@@ -145,9 +145,9 @@ def test_refusals_are_one_line(classes: Path, tmp_path: Path) -> None:
 
 def test_predict_needs_no_training_data(classes: Path, tmp_path: Path) -> None:
     """On a machine without the training set, classes are written by index (names come from its folders)."""
-    _run(["predict", "--checkpoint", classes / "run/checkpoints/last.pt", "--input", classes / "val/circle/00000.jpg",
-          "--out", tmp_path / "pred", "--accelerator", "cpu", f"data.root={tmp_path / 'gone'}",
-          f"data.val_root={tmp_path / 'gone'}"])
+    _run(["predict", "--checkpoint", classes / "run/checkpoints/last.pt", "--out", tmp_path / "pred",
+          "--accelerator", "cpu", "--input", classes / "val/circle/00000.jpg",  # overrides after --input's files
+          f"data.root={tmp_path / 'gone'}", f"data.val_root={tmp_path / 'gone'}"])
     (row,) = list(csv.DictReader((tmp_path / "pred/predictions.csv").open()))
     assert row["file"] == str(classes / "val/circle/00000.jpg") and row["class"] == row["label"]
 

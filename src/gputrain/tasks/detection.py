@@ -105,8 +105,15 @@ def for_prediction(cfg: RunConfig, *, annotations: str = "") -> tuple[Task, Call
         label_to_category = {i + 1: c for i, c in enumerate(categories)}
         names = ["background", *(str(coco.cats[c].get("name", c)) for c in categories)]
         ids = {str(im["file_name"]): int(im["id"]) for im in coco.imgs.values()}
-    task = DetectionTask(path, label_to_category, class_names=names, image_ids=ids)
-    return task, lambda image: image.float().div(255)  # what COCODetection hands the model
+    return DetectionTask(path, label_to_category, class_names=names, image_ids=ids), eval_preprocess
+
+
+def eval_preprocess(image: torch.Tensor) -> torch.Tensor:
+    """A ``uint8`` image as :class:`~gputrain.data.coco.COCODetection` hands it to the model: floats in [0, 1].
+
+    Resizing and normalization are the model's own (torchvision's ``GeneralizedRCNNTransform``).
+    """
+    return image.float().div(255)
 
 
 def build(cfg: RunConfig) -> TaskSpec:

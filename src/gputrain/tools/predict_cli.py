@@ -15,6 +15,15 @@ RUN_HERE = ("trainer.strategy=ddp", "trainer.sync_batchnorm=false", "trainer.log
 """Prediction needs no model split, no BatchNorm statistics and no logger: one whole model per process."""
 
 
+def split_overrides(args: argparse.Namespace) -> None:
+    """``--input a.jpg key=value``: --input takes every word after it, so hand back those that are overrides."""
+    overrides = [p for p in args.input if "=" in p and not Path(p).exists()]
+    args.input = [p for p in args.input if p not in overrides]
+    args.overrides = [*args.overrides, *overrides]
+    if not args.input:
+        raise ValueError("--input names no image file or folder; give at least one before any key=value override")
+
+
 def check_out(out: Path, *, overwrite: bool) -> None:
     """Refuse a non-empty --out unless asked; with --overwrite remove only what predict writes."""
     if out.exists() and not out.is_dir():
