@@ -40,8 +40,10 @@ def run_pictures(trainer: Trainer) -> list[Any] | None:
 
 def samples_image(trainer: Trainer) -> Any:
     """The samples grid as an ``(H, W, 3)`` uint8 array, for TensorBoard and W&B (rank 0; None elsewhere)."""
+    if not installed("matplotlib"):  # the same answer on every rank: all skip the forwards together
+        return None
     pictures = run_pictures(trainer)
-    if not pictures or not installed("matplotlib"):
+    if not pictures:
         return None
     from gputrain.tools.report import figure_array, samples_figure
 
