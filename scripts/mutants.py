@@ -105,6 +105,17 @@ FAULTS: tuple[Fault, ...] = (
            ("usable = (n // self.global_batch) * self.global_batch if drop_last else n",
             "usable = (n // self.global_batch) * self.global_batch if drop_last else len(self.order)")),
           (f"{UNIT}::test_training_reads_every_sample_once_per_epoch",)),
+    # -- issue 16 item 4 (h16b): checkpoints written in a background thread ---------------------
+    Fault("async checkpoint writer not awaited at the end of training", "src/gputrain/hooks/checkpoint.py",
+          (("trainer.checkpoint_writer.wait()  # a failed last save", "pass  # a failed last save"),),
+          ("tests/unit/test_checkpoint_writer.py::test_fit_returns_with_every_checkpoint_on_disk",)),
+    Fault("async checkpoint state not copied before the step mutates it", "src/gputrain/checkpoint_writer.py",
+          (("memo[id(obj)] = obj.detach().clone()", "memo[id(obj)] = obj.detach()"),),
+          ("tests/unit/test_checkpoint_writer.py::test_the_step_cannot_change_a_checkpoint_being_written",)),
+    Fault("async checkpoint saves overlap (the next does not wait, its error is lost)",
+          "src/gputrain/checkpoint_writer.py",
+          (("        self.wait()\n        if not self.asynchronous:", "        if not self.asynchronous:"),),
+          ("tests/unit/test_checkpoint_writer.py::test_a_failed_background_save_fails_the_next_save_in_one_line",)),
 )
 
 

@@ -173,6 +173,8 @@ class TrainerConfig:
     """GPU where dp gathers outputs; None means dp_device_ids[0]."""
     max_steps_per_epoch: int = 0
     """Stop each epoch after this many optimizer steps (smoke tests, parity); 0 means the whole epoch."""
+    async_checkpoint: bool = True
+    """Write checkpoints in a background thread: the step only copies the state (sharded checkpoints stay synchronous)."""
 
 
 @dataclass(kw_only=True)

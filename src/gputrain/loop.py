@@ -59,6 +59,8 @@ class Trainer:
         self.resumed = False
         self.checkpoints: Any = None
         """The run's :class:`~gputrain.checkpoint.CheckpointStore`; None when checkpointing is off."""
+        self.checkpoint_writer: Any = None
+        """Writes into ``checkpoints`` (:class:`~gputrain.checkpoint_writer.CheckpointWriter`); None when off."""
         self.hooks: list[Hook] = []
 
     # -- setup ---------------------------------------------------------------------------
@@ -179,6 +181,11 @@ class Trainer:
                                                monitor_mode=t.monitor_mode)
             if self.dist.is_main:
                 remove_stale_temporaries(self.out / "checkpoints")
+            from gputrain.checkpoint_writer import CheckpointWriter
+
+            # DCP writes a sharded checkpoint collectively in save_checkpoint; its small file stays in step.
+            self.checkpoint_writer = CheckpointWriter(
+                self.checkpoints, asynchronous=t.async_checkpoint and not self.cfg.parallel.sharded_checkpoint)
         self.hooks = default_hooks(self.cfg) + self.extra_hooks
         if resume_state is not None:
             apply_resume_state(self, resume_state)
@@ -283,7 +290,7 @@ class Trainer:
         signum = self.stop.agreed()
         if signum:
             name = f"step_{self.state.global_step:06d}"
-            saved = save_checkpoint(self, name) if self.checkpoints is not None else None
+            saved = save_checkpoint(self, name, wait=True) if self.checkpoints is not None else None
             where = f"checkpoint {saved}" if saved else "no checkpoint (trainer.enable_checkpointing=false)"
             message = (f"interrupted at epoch {self.state.epoch + 1} step {self.state.global_step} ({where}); "
                        f"continue with: {self._resume_command()}")
