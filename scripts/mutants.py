@@ -116,6 +116,10 @@ FAULTS: tuple[Fault, ...] = (
           "src/gputrain/checkpoint_writer.py",
           (("        self.wait()\n        if not self.asynchronous:", "        if not self.asynchronous:"),),
           ("tests/unit/test_checkpoint_writer.py::test_a_failed_background_save_fails_the_next_save_in_one_line",)),
+    # -- issue 16 item 2 (h16b): data.num_workers=auto ------------------------------------------
+    Fault("auto workers ignore the other processes of the node", "src/gputrain/data/workers.py",
+          (("cores // max(local_processes, 1)", "cores"),),
+          ("tests/unit/test_data_workers.py::test_auto_divides_the_cores_among_the_local_processes",)),
 )
 
 

@@ -9,6 +9,7 @@ samples each step trains on is decided by the framework's :class:`~gputrain.data
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -94,6 +95,12 @@ class Trainer:
                 f"or gputrain.launch(fn, devices={t.devices})"
             )
         self.precision = build_precision(t.precision, self.dist.device)
+        if self.cfg.data.num_workers == "auto":  # resolved once, so config.yaml and every tool see the count
+            from gputrain.data.workers import resolve_num_workers, usable_cores
+
+            local = int(os.environ.get("LOCAL_WORLD_SIZE", self.dist.world_size))
+            workers = resolve_num_workers("auto", cores=usable_cores(), local_processes=local)
+            self.cfg = dataclasses.replace(self.cfg, data=dataclasses.replace(self.cfg.data, num_workers=workers))
         self.out = self._run_folder(for_training)
 
     def _run_folder(self, for_training: bool) -> Path:
@@ -117,7 +124,7 @@ class Trainer:
         return Path(self.strategy.broadcast_object(chosen))
 
     def _loader(self, data: Dataset, *, train: bool) -> DataLoader:
-        t, workers = self.cfg.trainer, self.cfg.data.num_workers
+        t, workers = self.cfg.trainer, int(self.cfg.data.num_workers)  # "auto" was resolved at setup
         # A generator of the loader's own: starting an epoch's iterator draws a worker seed from it, which
         # from the global generator would shift dropout's stream and break a mid-epoch resume.
         common: dict[str, Any] = dict(collate_fn=self.task.collate_fn(), num_workers=workers,
