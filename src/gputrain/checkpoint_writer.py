@@ -65,7 +65,7 @@ class CheckpointWriter:
         path = self.store.path_for(name)
         snapshot, ready = self._snapshot(state)
         self._writing = path
-        self._thread = threading.Thread(target=self._write, args=(snapshot, ready, name, dict(metrics or {})),
+        self._thread = threading.Thread(target=self._write, args=(self.store, snapshot, ready, name, dict(metrics or {})),
                                         name="gputrain-checkpoint-writer", daemon=True)
         self._thread.start()
         return path
@@ -85,11 +85,12 @@ class CheckpointWriter:
                 "at the step that saves"
             ) from error
 
-    def _write(self, state: dict[str, Any], ready: Any, name: str, metrics: dict[str, float]) -> None:
+    def _write(self, store: CheckpointStore, state: dict[str, Any], ready: Any, name: str,
+               metrics: dict[str, float]) -> None:
         try:
             if ready is not None:
                 ready.synchronize()  # the device-to-host copies queued by _snapshot have landed
-            self.store.save(state, name=name, metrics=metrics or None)
+            store.save(state, name=name, metrics=metrics or None)
         except BaseException as err:  # noqa: BLE001  (kept for wait(), which raises it in the loop's thread)
             self._error = err
 

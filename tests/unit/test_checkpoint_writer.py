@@ -30,6 +30,7 @@ from gputrain.checkpoint import CheckpointStore, load_checkpoint
 from gputrain.checkpoint_io import PAUSE_ENV, read_manifest
 from gputrain.checkpoint_writer import CheckpointWriteError, CheckpointWriter
 from gputrain.config import OptimConfig, RunConfig
+from gputrain.hooks.base import Hook
 
 
 def _fit(out: Path, **trainer: Any) -> Trainer:
@@ -164,3 +165,22 @@ def test_a_failed_background_save_fails_the_next_save_in_one_line(tmp_path, monk
     writer.save({"model": {}, "state": {"global_step": 2}}, name="step_000002")
     writer.wait()
     assert load_checkpoint(store.folder / "step_000002.pt")["state"]["global_step"] == 2
+
+
+class _BreakTheLastEpochsSave(Hook):
+    """Before the last epoch, point the writer at a folder that cannot exist (under a file)."""
+
+    def before_epoch(self, trainer: Trainer) -> None:
+        if trainer.state.epoch == trainer.cfg.trainer.epochs - 1:
+            (trainer.out / "a-file").write_text("")
+            trainer.checkpoint_writer.store = CheckpointStore(trainer.out / "a-file" / "checkpoints")
+
+
+def test_a_failed_last_save_fails_the_end_of_training_in_one_line(tmp_path):
+    """Planted fault: the end of training does not wait for the writer (its error would be lost)."""
+    with pytest.raises(CheckpointWriteError) as caught:
+        _fit(tmp_path, async_checkpoint=True, checkpoint_every_n_steps=0, hooks=[_BreakTheLastEpochsSave()])
+    message = str(caught.value)
+    assert "\n" not in message
+    assert message.startswith(f"checkpoint {tmp_path / 'a-file' / 'checkpoints' / 'epoch_0002.pt'} was not written")
+    assert load_checkpoint(tmp_path / "checkpoints" / "epoch_0001.pt")["state"]["epoch"] == 1  # the one before
