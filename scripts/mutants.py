@@ -127,6 +127,22 @@ FAULTS: tuple[Fault, ...] = (
     Fault("predicted detections keep model labels, not the annotation file's ids", "src/gputrain/tools/predict_write.py",
           (("detections_to_coco(output, image_id, task.label_to_category,", "detections_to_coco(output, image_id, None,"),),
           ("tests/e2e/test_predict.py::test_detections_take_the_annotation_files_ids",)),
+    # -- issue 16 item 4 (h16b): checkpoints written in a background thread ---------------------
+    Fault("async checkpoint writer not awaited at the end of training", "src/gputrain/hooks/checkpoint.py",
+          (("trainer.checkpoint_writer.wait()  # a failed last save", "pass  # a failed last save"),),
+          ("tests/unit/test_checkpoint_writer.py::test_fit_returns_with_every_checkpoint_on_disk",
+           "tests/unit/test_checkpoint_writer.py::test_a_failed_last_save_fails_the_end_of_training_in_one_line")),
+    Fault("async checkpoint state not copied before the step mutates it", "src/gputrain/checkpoint_writer.py",
+          (("memo[id(obj)] = obj.detach().clone()", "memo[id(obj)] = obj.detach()"),),
+          ("tests/unit/test_checkpoint_writer.py::test_the_step_cannot_change_a_checkpoint_being_written",)),
+    Fault("async checkpoint saves overlap (the next does not wait, its error is lost)",
+          "src/gputrain/checkpoint_writer.py",
+          (("        self.wait()\n        if not self.asynchronous:", "        if not self.asynchronous:"),),
+          ("tests/unit/test_checkpoint_writer.py::test_a_failed_background_save_fails_the_next_save_in_one_line",)),
+    # -- issue 16 item 2 (h16b): data.num_workers=auto ------------------------------------------
+    Fault("auto workers ignore the other processes of the node", "src/gputrain/data/workers.py",
+          (("cores // max(local_processes, 1)", "cores"),),
+          ("tests/unit/test_data_workers.py::test_auto_divides_the_cores_among_the_local_processes",)),
 )
 
 

@@ -37,8 +37,8 @@ class DataConfig:
     """Side images are resized or cropped to; 0 keeps the files' size."""
     num_classes: int = 0
     """Class count for classification and segmentation; checked against the labels."""
-    num_workers: int = 0
-    """DataLoader worker processes per rank."""
+    num_workers: int | str = 0
+    """DataLoader worker processes per rank, or ``auto``: the node's cores divided by its processes (capped)."""
     augment: bool = True
     """Random training augmentation where the task has one."""
 
@@ -176,6 +176,8 @@ class TrainerConfig:
     pictures: int = 8
     """Validation images drawn in samples.png at the end of training (and sent to TensorBoard/W&B at each
     evaluation); curves.png is written beside it. 0 writes neither picture (docs/report.md)."""
+    async_checkpoint: bool = True
+    """Write checkpoints in a background thread: the step only copies the state (sharded checkpoints stay synchronous)."""
 
 
 @dataclass(kw_only=True)
@@ -307,7 +309,7 @@ def validate(cfg: RunConfig) -> None:
         "trainer.checkpoint_every_n_epochs": (t.checkpoint_every_n_epochs, 0),
         "trainer.checkpoint_every_n_steps": (t.checkpoint_every_n_steps, 0), "trainer.keep_last": (t.keep_last, 0),
         "trainer.max_steps_per_epoch": (t.max_steps_per_epoch, 0), "trainer.grad_clip_norm": (t.grad_clip_norm, 0),
-        "data.image_size": (d.image_size, 0), "data.num_classes": (d.num_classes, 0), "data.num_workers": (d.num_workers, 0),
+        "data.image_size": (d.image_size, 0), "data.num_classes": (d.num_classes, 0),
         "optim.weight_decay": (o.weight_decay, 0), "optim.momentum": (o.momentum, 0),
         "optim.reference_batch": (o.reference_batch, 1), "scheduler.warmup_steps": (cfg.scheduler.warmup_steps, 0),
         "launch.nnodes": (launch.nnodes, 1), "launch.max_restarts": (launch.max_restarts, 0),
@@ -316,6 +318,8 @@ def validate(cfg: RunConfig) -> None:
         _check(value >= low, name, value, f"must be at least {low}")
     _check(t.pictures >= 0, "trainer.pictures", t.pictures, "must be at least 0 (0 draws no pictures)")
     _check(o.lr > 0, "optim.lr", o.lr, "must be above 0")
+    _check(d.num_workers == "auto" or (isinstance(d.num_workers, int) and d.num_workers >= 0), "data.num_workers",
+           d.num_workers, "must be a count of at least 0 or auto (the cores of the node divided by its processes)")
     _check(t.timeout_s > 0, "trainer.timeout_s", t.timeout_s, "must be above 0 seconds")
     _check(0 <= d.val_fraction < 1, "data.val_fraction", d.val_fraction, "must be in [0, 1), e.g. 0.2 for an 8:2 split")
     _check(t.monitor_mode in ("min", "max"), "trainer.monitor_mode", t.monitor_mode, "is not min or max")
