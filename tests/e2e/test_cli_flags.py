@@ -69,7 +69,7 @@ def test_parity_modes_in_the_parser_are_the_tools_modes():
     (["--help"], 0, "usage: gputrain"),
     (["--version"], 0, "gputrain 0.1.0 (torch "),
     (["train", "--help"], 0, "usage: gputrain train"),
-    (["train", "autoencoder", "optim.lr=-1"], 2, "gputrain: error: optim.lr=-1.0"),
+    (["train", "autoencoder", "optim.lr=1e39"], 2, "gputrain: error: optim.lr=1e+39 must be in (0, 100]"),
     (["train", "no-such-recipe"], 2, "gputrain: error: unknown recipe 'no-such-recipe'"),
     (["train", "autoencoder", "--no-such-flag"], 2, "usage: gputrain"),
 ])
