@@ -186,10 +186,11 @@ def cmd_eval(args: argparse.Namespace, argv: Sequence[str]) -> int:
     if cfg.model.name:  # a misfit is one line here, not N ranks' tracebacks later
         build_fitting_model(cfg, state, args.checkpoint)
     t = cfg.trainer
+    name = cfg.task if note or not args.recipe else args.recipe  # a note: the recipe was ignored
     if t.out:
         run_folder.check_eval_folder(t.out, overwrite=t.overwrite)
     else:
-        t.out = str(run_folder.check_eval_folder(run_folder.eval_dir_for(args.checkpoint, args.recipe or cfg.task),
+        t.out = str(run_folder.check_eval_folder(run_folder.eval_dir_for(args.checkpoint, name),
                                                  overwrite=t.overwrite))
         extra.append(f"trainer.out={_quote(t.out)}")
     return _launch_or_run(cfg, [*argv, *extra], run)
@@ -233,7 +234,7 @@ def cmd_export_onnx(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
     check_output_file(args.out, overwrite=args.overwrite)
     export_onnx(args.checkpoint, args.out, input_shape=args.input_shape, opset=args.opset,
-                overrides=list(args.overrides))
+                overrides=list(args.overrides), recipe=args.recipe)
     return EXIT_OK
 
 
@@ -279,8 +280,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     bad = [x for x in extra if x.startswith("-") or "=" not in x]
     if bad:
         parser.error(f"unrecognized arguments: {' '.join(bad)}")
-    if args.command == "eval" and args.recipe and "=" in args.recipe and not args.recipe.endswith((".yaml", ".yml")):
-        extra, args.recipe = [args.recipe, *extra], None  # eval's recipe is optional: this was an override
+    optional_recipe = args.command in ("eval", "export")
+    if optional_recipe and args.recipe and "=" in args.recipe and not args.recipe.endswith((".yaml", ".yml")):
+        extra, args.recipe = [args.recipe, *extra], None  # the recipe is optional here: this was an override
     if extra:
         if not hasattr(args, "overrides"):
             parser.error(f"{args.command} takes no key=value overrides: {' '.join(extra)}")

@@ -50,7 +50,8 @@ class _Version(argparse.Action):
             except PackageNotFoundError:
                 return "not installed"
 
-        parser.exit(message=f"gputrain {self.version} (torch {of('torch')}, torchvision {of('torchvision')})\n")
+        print(f"gputrain {self.version} (torch {of('torch')}, torchvision {of('torchvision')})")  # stdout, as argparse's
+        parser.exit()
 
 
 def _int_list(text: str) -> list[int]:
@@ -139,6 +140,9 @@ def build_parser(description: str, epilog: str, version: str, eval_hidden: Seque
 
     export = sub.add_parser("export", help="export models").add_subparsers(dest="export_command", required=True)
     onnx = export.add_parser("onnx", help="export a checkpoint to ONNX and check it with onnxruntime")
+    onnx.add_argument("recipe", nargs="?", default=None,
+                      help="optional: the recipe, for a checkpoint without a saved config (one of another model "
+                           "is ignored, with a line saying so)")
     onnx.add_argument("overrides", nargs="*", help="dotted overrides of the checkpoint's saved config")
     onnx.add_argument("--checkpoint", required=True)
     onnx.add_argument("--out", required=True, help="the .onnx file to write")
