@@ -20,8 +20,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from gputrain import __version__
-from gputrain.cli_parser import common_overrides
-from gputrain.config import RunConfig, builtin_recipes, load_config
+from gputrain.cli_parser import DESCRIPTION, EPILOG, check_flags, common_overrides
+from gputrain.config import RunConfig, load_config
 from gputrain.errors import EXIT_OK, EXIT_USAGE, Interrupted, exit_code_for_signal
 from gputrain.preflight import MissingExtra
 
@@ -39,36 +39,6 @@ TRAIN_FLAGS = {
 }
 TRAINING_ONLY = ("epochs", "seed", "resume", "max_restarts")
 """Train flags that eval accepts for scripts that share a command line, ignores, and leaves out of --help."""
-MINIMUM = {"devices": 1, "epochs": 1, "batch_size": 1, "nnodes": 1, "node_rank": 0, "max_restarts": 0,
-           "count": 1, "size": 1, "opset": 7}
-
-DESCRIPTION = """\
-gputrain trains vision models (a conv autoencoder, ResNet-18/50, DeepLabv3+, Mask R-CNN) from one YAML
-recipe on a CPU, one GPU, several GPUs or several machines, with the same result at every scale."""
-
-EPILOG = f"""\
-commands:
-  train RECIPE [flags] [key=value ...]   train; each run gets a new folder runs/RECIPE-DATE-TIME
-                                         (runs/latest points to the newest)
-  eval [RECIPE] --checkpoint PATH        evaluate a checkpoint with the config saved in it; writes eval.json
-  export onnx --checkpoint PATH --out F  export a checkpoint to ONNX, checked with onnxruntime
-  data make KIND --out DIR               write a small sample data set in a real on-disk format
-  bench scale RECIPE --devices 1,2       time a recipe over device counts and batch sizes
-  parity RECIPE                          do all ways of running a recipe train the same model?
-  doctor RECIPE                          a short dry run on real ranks that reports distributed mistakes
-  env                                    versions, devices and distributed settings of this machine
-
-built-in recipes: {', '.join(builtin_recipes())}
-
-example (sample data, 2 processes, export):
-  gputrain data make imagefolder --out data/frames
-  gputrain train autoencoder --devices 2 --epochs 5
-  gputrain export onnx --checkpoint runs/latest/checkpoints/last.pt --out runs/latest/model.onnx
-
-`gputrain COMMAND --help` lists a command's flags. Documentation: docs/index.md in the source tree;
-exit codes and what each command writes where: docs/cli.md."""
-
-
 def _is_worker() -> bool:
     if not any(name in os.environ for name in ("RANK", "SLURM_PROCID")):
         return False  # no launcher's variables: decided without importing gputrain.dist (and torch)
@@ -258,15 +228,6 @@ def cmd_env(args: argparse.Namespace, argv: Sequence[str]) -> int:
     return run(args, argv)
 
 
-def _check_flags(args: argparse.Namespace) -> None:
-    """Numbers no run can use, refused before anything starts, naming the flag."""
-    for name, low in MINIMUM.items():
-        values = getattr(args, name, None)
-        for value in values if isinstance(values, list) else [values]:
-            if value is not None and value < low:
-                raise ValueError(f"--{name.replace('_', '-')} {value}: must be at least {low}")
-
-
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     """The command line as the command function sees it: flags parsed, common flags and key=value in ``overrides``."""
     from gputrain.cli_parser import build_parser
@@ -305,7 +266,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # torchrun gives each worker an error file: torch's `record` writes the exception there, for
         # the launcher to pick the first failing rank by time.
         command = _recorded(args.func) if worker and "TORCHELASTIC_ERROR_FILE" in os.environ else args.func
-        _check_flags(args)
+        check_flags(args)
         return command(args, argv)
     except Interrupted as err:  # the loop printed the one line (and wrote the checkpoint)
         return err.exit_code

@@ -15,6 +15,47 @@ from gputrain.config import builtin_recipes
 
 Handler = Callable[[argparse.Namespace, Sequence[str]], int]
 
+DESCRIPTION = """\
+gputrain trains vision models (a conv autoencoder, ResNet-18/50, DeepLabv3+, Mask R-CNN) from one YAML
+recipe on a CPU, one GPU, several GPUs or several machines, with the same result at every scale."""
+
+EPILOG = f"""\
+commands:
+  train RECIPE [flags] [key=value ...]   train; each run gets a new folder runs/RECIPE-DATE-TIME
+                                         (runs/latest points to the newest)
+  eval [RECIPE] --checkpoint PATH        evaluate a checkpoint with the config saved in it; writes eval.json
+  export onnx --checkpoint PATH --out F  export a checkpoint to ONNX, checked with onnxruntime
+  data make KIND --out DIR               write a small sample data set in a real on-disk format
+  bench scale RECIPE --devices 1,2       time a recipe over device counts and batch sizes
+  parity RECIPE                          do all ways of running a recipe train the same model?
+  doctor RECIPE                          a short dry run on real ranks that reports distributed mistakes
+  env                                    versions, devices and distributed settings of this machine
+
+built-in recipes: {', '.join(builtin_recipes())}
+
+example (sample data, 2 processes, export):
+  gputrain data make imagefolder --out data/frames
+  gputrain train autoencoder --devices 2 --epochs 5
+  gputrain export onnx --checkpoint runs/latest/checkpoints/last.pt --out runs/latest/model.onnx
+
+`gputrain COMMAND --help` lists a command's flags. Documentation: docs/index.md in the source tree;
+exit codes and what each command writes where: docs/cli.md."""
+
+
+MINIMUM = {"devices": 1, "epochs": 1, "batch_size": 1, "nnodes": 1, "node_rank": 0, "max_restarts": 0,
+           "count": 1, "size": 1, "opset": 7}
+"""Smallest value of each numeric flag; config fields have their ranges in gputrain.config_checks."""
+
+
+def check_flags(args: argparse.Namespace) -> None:
+    """Numbers no run can use, refused before anything starts, naming the flag."""
+    for name, low in MINIMUM.items():
+        values = getattr(args, name, None)
+        for value in values if isinstance(values, list) else [values]:
+            if value is not None and value < low:
+                raise ValueError(f"--{name.replace('_', '-')} {value}: must be at least {low}")
+
+
 COMMON_FLAGS = {"data_root": "data.root", "accelerator": "trainer.accelerator"}
 """Flags of every command that runs a recipe (train, eval, parity, doctor, bench scale, export onnx), by the
 config field each sets; :func:`add_common_flags` defines them, :func:`common_overrides` turns them into overrides."""
