@@ -72,7 +72,7 @@ def test_parity_modes_in_the_parser_are_the_tools_modes():
     (["train", "autoencoder", "optim.lr=1e39"], 2, "gputrain: error: optim.lr=1e+39 must be in (0, 100]"),
     (["train", "no-such-recipe"], 2, "gputrain: error: unknown recipe 'no-such-recipe'"),
     (["train", "autoencoder", "--no-such-flag"], 2, "usage: gputrain"),
-])
+], ids=["help", "version", "train-help", "lr-1e39", "unknown-recipe", "unknown-flag"])
 def test_help_version_and_usage_errors_answer_without_importing_torch(argv, code, first, tmp_path):
     done = _probe(*argv, cwd=tmp_path)
     assert done.returncode == code, done.stderr

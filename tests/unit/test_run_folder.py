@@ -216,6 +216,24 @@ def test_eval_config_comes_from_the_checkpoint_and_overrides_win(tmp_path):
     assert "export_model(model, 'last.pt'" in python_run_message("last.pt", python_run["config"], "export")
 
 
+def test_another_recipe_never_merges_its_model_options_into_a_checkpoint():
+    """Issue 15 item 3: cifar10-resnet18's model.kwargs.cifar_stem reached the autoencoder's builder."""
+    from gputrain.config import to_dict
+
+    saved = to_dict(load_config("autoencoder", ["model.kwargs.width=4", "trainer.batch_size=5"]))
+    state = {"model": {}, "config": saved}
+    cfg, note = config_from_checkpoint(state, "last.pt", recipe="cifar10-resnet18", overrides=["trainer.batch_size=3"])
+    assert (cfg.task, cfg.model.name, cfg.model.kwargs) == ("autoencoder", "conv_autoencoder", {"width": 4})
+    assert cfg.trainer.batch_size == 3 and cfg.data == load_config(None, layers=[saved]).data
+    assert note == ("gputrain: eval ignores recipe cifar10-resnet18 (task=classification model.name=resnet18): "
+                    "last.pt was trained as task=autoencoder model.name=conv_autoencoder, so it is used with the config "
+                    "saved in it; drop the recipe to silence this")
+    # The same task and model: the recipe says how to run (trainer), the checkpoint what the model is.
+    cfg, note = config_from_checkpoint(state, "last.pt", recipe="autoencoder", overrides=[])
+    assert note == "" and cfg.model.kwargs == {"width": 4}
+    assert cfg.trainer.batch_size == load_config("autoencoder").trainer.batch_size
+
+
 # -- preflight --------------------------------------------------------------------------------
 
 
