@@ -208,6 +208,25 @@ def cmd_export_onnx(args: argparse.Namespace, argv: Sequence[str]) -> int:
     return EXIT_OK
 
 
+def cmd_predict(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    from gputrain.tools.predict_cli import prepare_predict, split_overrides
+
+    split_overrides(args)
+    cfg, extra, run = prepare_predict(args, _overrides(args, skip=(*TRAINING_ONLY, "out", "overwrite")), _is_worker(),
+                                      explicit_precision=_explicit(args, "trainer.precision", "precision"))
+    if _is_worker():
+        run(cfg)
+        return EXIT_OK
+    return _launch_or_run(cfg, [*argv, *extra], run)
+
+
+def cmd_report(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    from gputrain.tools.report import report_run
+
+    report_run(args.run_dir, samples=args.samples)
+    return EXIT_OK
+
+
 def cmd_parity(args: argparse.Namespace, argv: Sequence[str]) -> int:
     _check_recipe(args)  # a missing data folder is one line here, not a hang or a failure on every rank
     from gputrain.tools.parity import cmd_parity as run
@@ -233,7 +252,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     from gputrain.cli_parser import build_parser
 
     handlers = {"train": cmd_train, "eval": cmd_eval, "data make": cmd_data_make, "bench scale": cmd_bench_scale,
-                "export onnx": cmd_export_onnx, "parity": cmd_parity, "doctor": cmd_doctor, "env": cmd_env}
+                "export onnx": cmd_export_onnx, "parity": cmd_parity, "doctor": cmd_doctor, "env": cmd_env,
+                "predict": cmd_predict, "report": cmd_report}
     parser = build_parser(DESCRIPTION, EPILOG, __version__, TRAINING_ONLY, handlers)
     # Dotted overrides may come after flags; argparse cannot mix a nargs="*" positional with
     # flags under sub-commands, so collect leftovers of the form key=value ourselves.

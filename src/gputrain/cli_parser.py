@@ -25,6 +25,8 @@ commands:
                                          (runs/latest points to the newest)
   eval [RECIPE] --checkpoint PATH        evaluate a checkpoint with the config saved in it; writes eval.json
   export onnx --checkpoint PATH --out F  export a checkpoint to ONNX, checked with onnxruntime
+  predict --checkpoint PATH --input IMAGES --out DIR   run a checkpoint on images; writes predictions
+  report RUN_DIR                         draw curves.png and samples.png of a run
   data make KIND --out DIR               write a small sample data set in a real on-disk format
   bench scale RECIPE --devices 1,2       time a recipe over device counts and batch sizes
   parity RECIPE                          do all ways of running a recipe train the same model?
@@ -192,6 +194,28 @@ def build_parser(description: str, epilog: str, version: str, eval_hidden: Seque
     onnx.add_argument("--opset", type=int, default=18)
     add_common_flags(onnx)
     onnx.set_defaults(func=handlers["export onnx"])
+
+    pred = sub.add_parser("predict", help="run a checkpoint on image files and write its predictions",
+                          description="Predict with a checkpoint's own config and evaluation preprocessing; every "
+                                      "image once across processes; rank 0 writes into --out (docs/predict.md).")
+    pred.add_argument("overrides", nargs="*", help="dotted overrides of the checkpoint's saved config")
+    pred.add_argument("--checkpoint", required=True, help="a checkpoint file, e.g. runs/latest/checkpoints/last.pt")
+    pred.add_argument("--input", nargs="+", required=True, help="image files and/or folders of images")
+    pred.add_argument("--out", required=True, help="folder for the predictions (a non-empty one needs --overwrite)")
+    pred.add_argument("--overwrite", action="store_true", help="replace predictions already in --out")
+    pred.add_argument("--annotations", default="", help="detection: the COCO json whose image and category ids to use")
+    pred.add_argument("--devices", type=int, help="processes on this node")
+    pred.add_argument("--accelerator", choices=["auto", "cpu", "cuda"])
+    pred.add_argument("--precision", choices=["32", "16-mixed", "bf16-mixed"])
+    pred.add_argument("--batch-size", type=int, help="images per process per forward")
+    pred.set_defaults(func=handlers["predict"])
+
+    report = sub.add_parser("report", help="draw curves.png and samples.png of a run folder",
+                            description="Write curves.png (loss and metric per epoch, from metrics.jsonl) and "
+                                        "samples.png (validation predictions of checkpoints/last.pt) into RUN_DIR.")
+    report.add_argument("run_dir", help="a run folder, e.g. runs/latest")
+    report.add_argument("--samples", type=int, default=8, help="validation images in samples.png (0: none)")
+    report.set_defaults(func=handlers["report"])
 
     _add_tools(sub, handlers)
     return parser

@@ -181,6 +181,9 @@ class TrainerConfig:
     """GPU where dp gathers outputs; None means dp_device_ids[0]."""
     max_steps_per_epoch: int = 0
     """Stop each epoch after this many optimizer steps (smoke tests, parity); 0 means the whole epoch."""
+    pictures: int = 8
+    """Validation images drawn in samples.png at the end of training (and sent to TensorBoard/W&B at each
+    evaluation); curves.png is written beside it. 0 writes neither picture (docs/report.md)."""
 
 
 @dataclass(kw_only=True)

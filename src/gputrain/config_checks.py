@@ -111,6 +111,7 @@ RANGES: dict[str, Range] = {
     "trainer.dp_device_ids": DEVICE_INDEX,
     "trainer.dp_output_device": DEVICE_INDEX,
     "trainer.max_steps_per_epoch": COUNT_OR_OFF,
+    "trainer.pictures": Range(ge=0, le=1024, example="0 draws no pictures"),
     "launch.nnodes": Range(ge=1, le=65536),
     "launch.node_rank": Range(ge=0, le=65535),
     "launch.max_restarts": Range(ge=0, le=1000),

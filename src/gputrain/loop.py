@@ -339,10 +339,11 @@ def default_hooks(cfg: RunConfig) -> list[Hook]:
     """Progress, logging, and epoch checkpoints when enabled: the hooks every run gets, built outside the loop."""
     from gputrain.hooks.checkpoint import CheckpointHook
     from gputrain.hooks.logging import LoggingHook
+    from gputrain.hooks.pictures import PicturesHook
     from gputrain.hooks.progress import ProgressHook
 
     t = cfg.trainer
     hooks: list[Hook] = [ProgressHook(bar=t.progress_bar), LoggingHook(list(t.loggers))]
     if t.enable_checkpointing:
         hooks.append(CheckpointHook(t.checkpoint_every_n_epochs))
-    return hooks
+    return [*hooks, PicturesHook()]  # last: after the loggers closed metrics.jsonl
