@@ -143,6 +143,40 @@ FAULTS: tuple[Fault, ...] = (
     Fault("auto workers ignore the other processes of the node", "src/gputrain/data/workers.py",
           (("cores // max(local_processes, 1)", "cores"),),
           ("tests/unit/test_data_workers.py::test_auto_divides_the_cores_among_the_local_processes",)),
+    # -- issue 15 items 3, 4, 7, 9, 10 (task h15c) ---------------------------------------------
+    Fault("h15c config ranges not checked", "src/gputrain/config.py",
+          (("    check_numbers(cfg)\n    check_combinations(cfg)", "    check_combinations(cfg)"),),
+          ("tests/unit/test_config_ranges.py::test_lr_1e39_on_the_command_line_is_one_line_and_exit_2",)),
+    Fault("h15c config range upper bounds ignored", "src/gputrain/config_checks.py",
+          (("and (self.le is None or value <= self.le)", "and True"),),
+          ("tests/unit/test_config_ranges.py",)),
+    Fault("h15c recipe type error without its line", "src/gputrain/config_checks.py",
+          (("    return int(node.start_mark.line) + 1", "    return None"),),
+          ("tests/unit/test_config_ranges.py::test_wrong_type_in_a_recipe_file_names_the_file_and_line",)),
+    Fault("h15c another recipe's model options merged into a checkpoint", "src/gputrain/tools/from_checkpoint.py",
+          (("        return load_config(None, overrides, layers=[_as_layer(saved)]), note",
+            "        return load_config(recipe, overrides, layers=[{k: saved[k] for k in ('task', 'model', 'data')}]), "
+            "note"),),
+          ("tests/unit/test_run_folder.py::test_another_recipe_never_merges_its_model_options_into_a_checkpoint",)),
+    Fault("h15c CLI parser imports torch", "src/gputrain/cli_parser.py",
+          (("from gputrain.config import builtin_recipes\n", "import torch  # noqa: F401\n"
+            "from gputrain.config import builtin_recipes\n"),),
+          ("tests/e2e/test_cli_flags.py::test_help_version_and_usage_errors_answer_without_importing_torch",)),
+    Fault("h15c parity lacks the common flags", "src/gputrain/cli_parser.py",
+          (("    add_common_flags(p)\n    p.set_defaults(func=handlers[\"parity\"])",
+            "    p.set_defaults(func=handlers[\"parity\"])"),),
+          ("tests/e2e/test_cli_flags.py::test_every_recipe_command_takes_every_common_flag_as_its_config_field",)),
+    Fault("h15c doctor starts ranks before checking data paths", "src/gputrain/cli.py",
+          (("    _check_recipe(args)  # a missing data folder is one line here, not a hang or a failure on every "
+            "rank\n    from gputrain.tools.doctor", "    from gputrain.tools.doctor"),),
+          ("tests/e2e/test_cli_flags.py::test_tools_honour_data_root_and_refuse_a_missing_one_before_any_rank",)),
+    Fault("h15c bench scale rows get their own thread share", "src/gputrain/tools/scale.py",
+          (("    return max(1, cores // max(devices))", "    return cores"),
+           ("    return cmd, {**os.environ, \"OMP_NUM_THREADS\": str(threads)}", "    return cmd, dict(os.environ)")),
+          ("tests/unit/test_run_folder.py::test_bench_scale_gives_every_row_the_same_threads_per_process_and_states_them",)),
+    Fault("h15c bench scale plot hides impossible points", "src/gputrain/tools/scale.py",
+          (("    odd = [r for r in rows if r.caution]", "    odd: list[ScaleRow] = []"),),
+          ("tests/unit/test_run_folder.py::test_bench_scale_plot_marks_the_impossible_points_as_the_table_does",)),
 )
 
 

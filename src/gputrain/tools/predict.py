@@ -116,7 +116,7 @@ def predict_from_config(cfg: RunConfig, checkpoint: str | Path, state: dict[str,
         data = InputImages(inputs, preprocess)
         loader = DataLoader(data, batch_size=cfg.trainer.eval_batch_size or cfg.trainer.batch_size,
                             sampler=strategy.eval_sampler(len(data)), collate_fn=list,
-                            num_workers=cfg.data.num_workers)
+                            num_workers=int(trainer.cfg.data.num_workers))  # "auto" resolved by prepare()
         results: dict[int, Any] = {}
         with torch.no_grad():
             for batch in loader:
