@@ -15,6 +15,12 @@ writeback of another's dirty pages. A second table gives checksum throughput, wh
 store uses CRC-32. 1 torch thread; wall and CPU time (``time.process_time``) both reported.
 
     python benchmarks/checkpoint_save.py --pairs 7 --dir runs/bench --json runs/bench/checkpoint_save.json
+
+``--training`` (issue 16) times whole ``Trainer.fit`` runs of ResNet-18 (16x16 images, batch 8, 24 steps)
+without checkpoints, with a synchronous checkpoint every 4 steps, and with an asynchronous one
+(``trainer.async_checkpoint``), in rotated order, and gives the medians of per-round ratios.
+
+    python benchmarks/checkpoint_save.py --training --pairs 5 --dir runs/bench
 """
 
 from __future__ import annotations
@@ -127,15 +133,73 @@ def checksum_speeds(megabytes: int = 256) -> dict[str, float]:
     return speeds
 
 
+def training_run(out: Path, variant: str, steps_per_epoch: int, epochs: int) -> float:
+    """Wall seconds of a ResNet-18 ``Trainer.fit`` (16x16 images, batch 8), checkpointing every 4 steps or not."""
+    import torch.nn.functional as F
+    from torch.utils.data import TensorDataset
+
+    from gputrain import Trainer
+
+    g = torch.Generator().manual_seed(0)
+    n = 8 * steps_per_epoch
+    data = TensorDataset(torch.rand(n, 3, 16, 16, generator=g), torch.randint(0, 10, (n,), generator=g))
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18(num_classes=10)
+    checkpoints: dict[str, Any] = {
+        "none": dict(enable_checkpointing=False),
+        "sync": dict(checkpoint_every_n_steps=4, checkpoint_every_n_epochs=0, async_checkpoint=False),
+        "async": dict(checkpoint_every_n_steps=4, checkpoint_every_n_epochs=0, async_checkpoint=True),
+    }[variant]
+    trainer = Trainer(strategy="single", accelerator="cpu", progress_bar=False, loggers=[], batch_size=8,
+                      epochs=epochs, out=str(out), overwrite=True, **checkpoints)
+    start = time.perf_counter()
+    trainer.fit(model, data, loss=F.cross_entropy)
+    return time.perf_counter() - start
+
+
+def compare_training(folder: Path, pairs: int, steps_per_epoch: int = 8, epochs: int = 3) -> dict[str, Any]:
+    """Interleaved rounds of none / sync / async (rotated so none always goes first); medians of per-round ratios."""
+    variants = ["none", "sync", "async"]
+    times: dict[str, list[float]] = {v: [] for v in variants}
+    for i in range(pairs + 1):  # round 0 warms up and is dropped
+        for variant in variants[i % 3:] + variants[:i % 3]:
+            seconds = training_run(folder / variant, variant, steps_per_epoch, epochs)
+            os.sync()
+            if i:
+                times[variant].append(seconds)
+
+    def ratio(a: str, b: str) -> float:
+        return statistics.median(x / y for x, y in zip(times[a], times[b], strict=True))
+
+    return {"pairs": pairs, "steps": steps_per_epoch * epochs, "wall_s": {v: statistics.median(t) for v, t in times.items()},
+            "sync/none": ratio("sync", "none"), "async/none": ratio("async", "none"),
+            "async/sync": ratio("async", "sync")}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pairs", type=int, default=7, help="interleaved trials per state (at least 5)")
     parser.add_argument("--dir", default="", help="where to write (default: the system temporary folder)")
     parser.add_argument("--json", default="")
+    parser.add_argument("--training", action="store_true",
+                        help="instead: ResNet-18 training with a checkpoint every 4 steps, none / sync / async")
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.dir:
         Path(args.dir).mkdir(parents=True, exist_ok=True)
+    if args.training:
+        with tempfile.TemporaryDirectory(prefix="gputrain-ckpt-train-", dir=args.dir or None) as tmp:
+            r = compare_training(Path(tmp), args.pairs)
+        w = r["wall_s"]
+        print("| ResNet-18, 16x16, batch 8, steps | no checkpoint | sync every 4 | async every 4 | sync / none "
+              "| async / none | async / sync |")
+        print("|---|---:|---:|---:|---:|---:|---:|")
+        print(f"| {r['steps']} | {w['none']:.2f} s | {w['sync']:.2f} s | {w['async']:.2f} s | {r['sync/none']:.3f} "
+              f"| {r['async/none']:.3f} | {r['async/sync']:.3f} |")
+        print(f"\nMedians of {args.pairs} rotated rounds; ratios are medians of per-round ratios.")
+        if args.json:
+            Path(args.json).write_text(json.dumps(r, indent=2))
+        return
     results: dict[str, Any] = {"save": {}, "checksum_GB_per_s": checksum_speeds()}
     with tempfile.TemporaryDirectory(prefix="gputrain-ckpt-bench-", dir=args.dir or None) as tmp:
         for label, state in states().items():

@@ -8,6 +8,10 @@ shared machine's load hits both alike. One intra-op thread, as in a DataLoader w
     B  PIL Image.open().convert("RGB") -> the same v2 ops on the PIL image (torchvision's classic pipeline)
 
 Usage: ``python benchmarks/data_loading.py [--images 256] [--size 128] [--pairs 7] [--json out.json]``
+
+The figure that says how many workers a GPU needs (issue 16): ImageNet-like 500x375 JPEGs cropped to 224,
+``python benchmarks/data_loading.py --images 128 --size 500x375 --crop 224 --pairs 5``; images/s of one
+worker, and the workers a GPU training at a given rate needs (rate / images per second per worker).
 """
 
 from __future__ import annotations
@@ -39,12 +43,12 @@ from gputrain.data.images import IMAGENET_MEAN, IMAGENET_STD, draw_class_image, 
 CROP = 112
 
 
-def augment(pil: bool) -> v2.Compose:
+def augment(pil: bool, crop: int = CROP) -> v2.Compose:
     """The same training augmentation; on PIL input v2 runs the geometric ops with PIL."""
     to_tensor: list[Any] = [v2.PILToTensor()] if pil else []
     return v2.Compose(
         [
-            v2.RandomResizedCrop(CROP, antialias=True),
+            v2.RandomResizedCrop(crop, antialias=True),
             v2.RandomHorizontalFlip(),
             *to_tensor,
             v2.ToDtype(torch.float32, scale=True),
@@ -71,11 +75,13 @@ def pil_rgb(path: Path) -> Image.Image:
         return im.convert("RGB")
 
 
-def make_jpegs(folder: Path, count: int, size: int, seed: int = 0) -> list[Path]:
+def make_jpegs(folder: Path, count: int, size: int, seed: int = 0, height: int = 0) -> list[Path]:
+    """``count`` JPEGs ``size`` wide and ``height`` (default: ``size``) high, at quality 90."""
     rng = np.random.default_rng(seed)
     files = []
     for i in range(count):
-        pixels = torch.from_numpy(draw_class_image(rng, i % 10, size)).permute(2, 0, 1).contiguous()
+        drawn = torch.from_numpy(draw_class_image(rng, i % 10, size)).permute(2, 0, 1)
+        pixels = drawn[:, : height or size].contiguous()
         files.append(folder / f"{i:05d}.jpg")
         write_jpeg(pixels, str(files[-1]), quality=90)
     return files
@@ -93,7 +99,8 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--images", type=int, default=256)
-    parser.add_argument("--size", type=int, default=128)
+    parser.add_argument("--size", default="128", help="side, or WIDTHxHEIGHT (500x375: ImageNet-like)")
+    parser.add_argument("--crop", type=int, default=CROP, help="RandomResizedCrop side (224 for ImageNet models)")
     parser.add_argument("--pairs", type=int, default=7, help="A/B pairs to time (at least 5)")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
@@ -104,11 +111,12 @@ def main() -> None:
     # torchvision 0.29 deprecates torchvision.io decoding in favour of TorchCodec; one warning is enough.
     warnings.filterwarnings("ignore", message="The image decoding", category=DeprecationWarning)
     torch.manual_seed(0)
+    width, _, height = args.size.partition("x")
     with tempfile.TemporaryDirectory() as tmp:
-        files = make_jpegs(Path(tmp), args.images, args.size)
+        files = make_jpegs(Path(tmp), args.images, int(width), height=int(height or width))
         variants = {
-            "A torchvision.io": Files(files, read_image_rgb, augment(pil=False)),
-            "B PIL": Files(files, pil_rgb, augment(pil=True)),
+            "A torchvision.io": Files(files, read_image_rgb, augment(pil=False, crop=args.crop)),
+            "B PIL": Files(files, pil_rgb, augment(pil=True, crop=args.crop)),
         }
         for dataset in variants.values():  # warm-up: page cache, allocator, lazy imports
             images_per_second(dataset, args.batch_size)
@@ -126,13 +134,13 @@ def main() -> None:
             "torchvision": torchvision.__version__,
             "pillow": PIL.__version__,
         },
-        "setup": {"images": args.images, "size": args.size, "crop": CROP, "pairs": args.pairs, "threads": 1},
+        "setup": {"images": args.images, "size": args.size, "crop": args.crop, "pairs": args.pairs, "threads": 1},
         "images_per_second": rates,
         "median_images_per_second": {name: statistics.median(r) for name, r in rates.items()},
         "median_pair_ratio_A_over_B": statistics.median(ratios),
     }
     print(
-        f"Decode + augment, 1 worker, 1 thread; {args.images} JPEGs {args.size}x{args.size} -> crop {CROP}; "
+        f"Decode + augment, 1 worker, 1 thread; {args.images} JPEGs {width}x{height or width} -> crop {args.crop}; "
         f"{args.pairs} interleaved pairs; {result['date']}; {result['machine']}"
     )
     print("\n| variant | median images/s | min | max |\n|---|---:|---:|---:|")
@@ -142,6 +150,10 @@ def main() -> None:
         f"| median per-pair ratio A/B | {result['median_pair_ratio_A_over_B']:.2f}x | {min(ratios):.2f}x | "
         f"{max(ratios):.2f}x |"
     )
+    per_worker = statistics.median(a)
+    print("\n| GPU trains (images/s) | workers of this speed it needs |\n|---:|---:|")
+    for rate in (500, 1000, 3000):
+        print(f"| {rate} | {-(-rate // per_worker):.0f} |")
     if args.json is not None:
         args.json.write_text(json.dumps(result, indent=2))
 

@@ -217,6 +217,10 @@ class CheckpointStore:
         write_manifest(self.folder, manifest | {"files": files, "pending": {}, "retire": []}, sync_folder=False)
         return self.folder / targets[0]
 
+    def path_for(self, name: str) -> Path:
+        """The path :meth:`save` with this ``name`` returns: ``<name>.pt``, or ``last.pt`` when ``name`` is empty."""
+        return self.folder / (_file_name(name) or "last.pt")
+
     def latest_valid(self) -> Path | None:
         """The newest checkpoint that is whole (``--resume auto``); None only when no file is.
 

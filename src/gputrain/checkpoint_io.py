@@ -38,10 +38,26 @@ class _ChecksumWriter:
         written = self.file.write(data)
         self.crc = zlib.crc32(data, self.crc)
         self.size += written
+        if self.size == written and PAUSE_ENV in os.environ:
+            _pause_for_test(self.file)
         return written
 
     def flush(self) -> None:
         self.file.flush()
+
+
+PAUSE_ENV = "GPUTRAIN_TEST_PAUSE_SAVE"
+"""Test hook: a FIFO path; every checkpoint write pauses after its first bytes until a test opens the FIFO."""
+
+
+def _pause_for_test(file: BinaryIO) -> None:
+    """Block mid-write (the temporary holds a part) until the test opens the FIFO, then closes it, or kills us.
+
+    Lets a test SIGKILL a process at a known instant inside a save, with no sleep to tune.
+    """
+    file.flush()
+    with open(os.environ[PAUSE_ENV], "rb") as fifo:  # opening blocks until the test opens the other end
+        fifo.read()  # returns once the test closes its end
 
 
 def open_temporary(folder: Path, name: str) -> tuple[Path, int]:

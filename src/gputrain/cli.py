@@ -4,6 +4,10 @@ The process the user started is the launcher: it checks everything it can (confi
 packages, checkpoint, run folder) before any worker starts, resolves what must be the same on
 every rank (the run folder, a precision fallback) and hands the workers the same command line
 with those values appended, so they never decide them again. Exit codes: docs/cli.md.
+
+Nothing here imports torch at module level: ``--help``, ``--version`` and usage or config errors
+answer without it (benchmarks/cli_startup.py). A command function imports its tool inside itself,
+after the config is loaded and checked; keep that pattern for new sub-commands.
 """
 
 from __future__ import annotations
@@ -16,55 +20,28 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from gputrain import __version__
-from gputrain.config import RunConfig, builtin_recipes, load_config
+from gputrain.cli_parser import DESCRIPTION, EPILOG, check_flags, common_overrides
+from gputrain.config import RunConfig, load_config
 from gputrain.errors import EXIT_OK, EXIT_USAGE, Interrupted, exit_code_for_signal
-from gputrain.launch import LAUNCHER_ENV, LaunchSpec, debug, run_workers, worker_record
 from gputrain.preflight import MissingExtra
 
 USAGE_ERRORS = (ValueError, FileNotFoundError, PermissionError, NotADirectoryError, IsADirectoryError, MissingExtra)
 """Bad input: one ``gputrain: error:`` line and exit 2 (a diverged run's NonFiniteError is a ValueError: exit 3)."""
 
-# Flags that are shorthands for config fields; everything else is a dotted key=value override.
+# Flags that are shorthands for config fields; everything else is a dotted key=value override. The flags
+# every recipe command shares (--data-root, --accelerator) are cli_parser.COMMON_FLAGS.
 TRAIN_FLAGS = {
-    "devices": "trainer.devices", "strategy": "trainer.strategy", "accelerator": "trainer.accelerator",
+    "devices": "trainer.devices", "strategy": "trainer.strategy",
     "precision": "trainer.precision", "epochs": "trainer.epochs", "batch_size": "trainer.batch_size",
     "seed": "trainer.seed", "out": "trainer.out", "overwrite": "trainer.overwrite", "resume": "trainer.resume",
-    "data_root": "data.root", "nnodes": "launch.nnodes", "node_rank": "launch.node_rank",
+    "nnodes": "launch.nnodes", "node_rank": "launch.node_rank",
     "rdzv_endpoint": "launch.rdzv_endpoint", "max_restarts": "launch.max_restarts",
 }
 TRAINING_ONLY = ("epochs", "seed", "resume", "max_restarts")
 """Train flags that eval accepts for scripts that share a command line, ignores, and leaves out of --help."""
-MINIMUM = {"devices": 1, "epochs": 1, "batch_size": 1, "nnodes": 1, "node_rank": 0, "max_restarts": 0,
-           "count": 1, "size": 1, "opset": 7}
-
-DESCRIPTION = """\
-gputrain trains vision models (a conv autoencoder, ResNet-18/50, DeepLabv3+, Mask R-CNN) from one YAML
-recipe on a CPU, one GPU, several GPUs or several machines, with the same result at every scale."""
-
-EPILOG = f"""\
-commands:
-  train RECIPE [flags] [key=value ...]   train; each run gets a new folder runs/RECIPE-DATE-TIME
-                                         (runs/latest points to the newest)
-  eval [RECIPE] --checkpoint PATH        evaluate a checkpoint with the config saved in it; writes eval.json
-  export onnx --checkpoint PATH --out F  export a checkpoint to ONNX, checked with onnxruntime
-  data make KIND --out DIR               write a small sample data set in a real on-disk format
-  bench scale RECIPE --devices 1,2       time a recipe over device counts and batch sizes
-  parity RECIPE                          do all ways of running a recipe train the same model?
-  doctor RECIPE                          a short dry run on real ranks that reports distributed mistakes
-  env                                    versions, devices and distributed settings of this machine
-
-built-in recipes: {', '.join(builtin_recipes())}
-
-example (sample data, 2 processes, export):
-  gputrain data make imagefolder --out data/frames
-  gputrain train autoencoder --devices 2 --epochs 5
-  gputrain export onnx --checkpoint runs/latest/checkpoints/last.pt --out runs/latest/model.onnx
-
-`gputrain COMMAND --help` lists a command's flags. Documentation: docs/index.md in the source tree;
-exit codes and what each command writes where: docs/cli.md."""
-
-
 def _is_worker() -> bool:
+    if not any(name in os.environ for name in ("RANK", "SLURM_PROCID")):
+        return False  # no launcher's variables: decided without importing gputrain.dist (and torch)
     from gputrain.dist import launched_env
 
     return launched_env() is not None
@@ -105,6 +82,7 @@ def _prepare(cfg: RunConfig, args: argparse.Namespace) -> tuple[RunConfig, list[
 
 
 def _launch_or_run(cfg: RunConfig, worker_argv: Sequence[str], run: Callable[[RunConfig], Any]) -> int:
+    from gputrain.launch import LaunchSpec, run_workers
     from gputrain.strategies import strategy_class
 
     nproc = strategy_class(cfg.trainer.strategy).processes_per_node(cfg.trainer.devices)
@@ -124,10 +102,10 @@ def _run_train(cfg: RunConfig) -> None:
 
 
 def cmd_train(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    cfg = load_config(args.recipe, _overrides(args))  # a config error is one line before torch is imported
     from gputrain import run_folder
     from gputrain.checkpoint import load_checkpoint
 
-    cfg = load_config(args.recipe, _overrides(args))
     if _is_worker():  # the launcher checked and resolved everything
         _run_train(cfg)
         return EXIT_OK
@@ -178,10 +156,11 @@ def cmd_eval(args: argparse.Namespace, argv: Sequence[str]) -> int:
     if cfg.model.name:  # a misfit is one line here, not N ranks' tracebacks later
         build_fitting_model(cfg, state, args.checkpoint)
     t = cfg.trainer
+    name = cfg.task if note or not args.recipe else args.recipe  # a note: the recipe was ignored
     if t.out:
         run_folder.check_eval_folder(t.out, overwrite=t.overwrite)
     else:
-        t.out = str(run_folder.check_eval_folder(run_folder.eval_dir_for(args.checkpoint, args.recipe or cfg.task),
+        t.out = str(run_folder.check_eval_folder(run_folder.eval_dir_for(args.checkpoint, name),
                                                  overwrite=t.overwrite))
         extra.append(f"trainer.out={_quote(t.out)}")
     return _launch_or_run(cfg, [*argv, *extra], run)
@@ -200,11 +179,21 @@ def cmd_data_make(args: argparse.Namespace, argv: Sequence[str]) -> int:
     return EXIT_OK
 
 
+def _check_recipe(args: argparse.Namespace) -> None:
+    """The config, packages and data paths of a tool's recipe (with its flags), before the tool starts any rank."""
+    from gputrain import preflight
+
+    cfg = load_config(args.recipe, list(args.overrides))
+    preflight.check_packages(cfg)
+    preflight.check_data_paths(cfg)
+
+
 def cmd_bench_scale(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    _check_recipe(args)
     from gputrain.tools.scale import scale_bench
 
     scale_bench(args.recipe, devices=args.devices, batch_sizes=args.batch_size, out=args.out,
-                overrides=list(args.overrides), accelerator=args.accelerator, epochs=args.epochs,
+                overrides=list(args.overrides), accelerator=args.accelerator or "auto", epochs=args.epochs,
                 overwrite=args.overwrite)
     return EXIT_OK
 
@@ -215,29 +204,56 @@ def cmd_export_onnx(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
     check_output_file(args.out, overwrite=args.overwrite)
     export_onnx(args.checkpoint, args.out, input_shape=args.input_shape, opset=args.opset,
-                overrides=list(args.overrides))
+                overrides=list(args.overrides), recipe=args.recipe)
     return EXIT_OK
 
 
-def _check_flags(args: argparse.Namespace) -> None:
-    """Numbers no run can use, refused before anything starts, naming the flag."""
-    for name, low in MINIMUM.items():
-        values = getattr(args, name, None)
-        for value in values if isinstance(values, list) else [values]:
-            if value is not None and value < low:
-                raise ValueError(f"--{name.replace('_', '-')} {value}: must be at least {low}")
+def cmd_predict(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    from gputrain.tools.predict_cli import prepare_predict, split_overrides
+
+    split_overrides(args)
+    cfg, extra, run = prepare_predict(args, _overrides(args, skip=(*TRAINING_ONLY, "out", "overwrite")), _is_worker(),
+                                      explicit_precision=_explicit(args, "trainer.precision", "precision"))
+    if _is_worker():
+        run(cfg)
+        return EXIT_OK
+    return _launch_or_run(cfg, [*argv, *extra], run)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def cmd_report(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    from gputrain.tools.report import report_run
+
+    report_run(args.run_dir, samples=args.samples)
+    return EXIT_OK
+
+
+def cmd_parity(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    _check_recipe(args)  # a missing data folder is one line here, not a hang or a failure on every rank
+    from gputrain.tools.parity import cmd_parity as run
+
+    return run(args, argv)
+
+
+def cmd_doctor(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    _check_recipe(args)  # a missing data folder is one line here, not a hang or a failure on every rank
+    from gputrain.tools.doctor import cmd_doctor as run
+
+    return run(args, argv)
+
+
+def cmd_env(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    from gputrain.tools.env import cmd_env as run
+
+    return run(args, argv)
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    """The command line as the command function sees it: flags parsed, common flags and key=value in ``overrides``."""
     from gputrain.cli_parser import build_parser
 
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if "" not in sys.path and os.getcwd() not in sys.path:
-        # Recipes name user code as package.module:function; find it in the working directory as
-        # `python -m gputrain` (what torchrun workers run) does, so 1 and N processes behave alike.
-        sys.path.insert(0, os.getcwd())
     handlers = {"train": cmd_train, "eval": cmd_eval, "data make": cmd_data_make, "bench scale": cmd_bench_scale,
-                "export onnx": cmd_export_onnx}
+                "export onnx": cmd_export_onnx, "parity": cmd_parity, "doctor": cmd_doctor, "env": cmd_env,
+                "predict": cmd_predict, "report": cmd_report}
     parser = build_parser(DESCRIPTION, EPILOG, __version__, TRAINING_ONLY, handlers)
     # Dotted overrides may come after flags; argparse cannot mix a nargs="*" positional with
     # flags under sub-commands, so collect leftovers of the form key=value ourselves.
@@ -245,20 +261,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     bad = [x for x in extra if x.startswith("-") or "=" not in x]
     if bad:
         parser.error(f"unrecognized arguments: {' '.join(bad)}")
-    if args.command == "eval" and args.recipe and "=" in args.recipe and not args.recipe.endswith((".yaml", ".yml")):
-        extra, args.recipe = [args.recipe, *extra], None  # eval's recipe is optional: this was an override
+    optional_recipe = args.command in ("eval", "export")
+    if optional_recipe and args.recipe and "=" in args.recipe and not args.recipe.endswith((".yaml", ".yml")):
+        extra, args.recipe = [args.recipe, *extra], None  # the recipe is optional here: this was an override
     if extra:
         if not hasattr(args, "overrides"):
             parser.error(f"{args.command} takes no key=value overrides: {' '.join(extra)}")
         args.overrides = list(args.overrides) + extra
+    if hasattr(args, "overrides"):  # flags first: an explicit key=value wins, as for train's own flags
+        args.overrides = common_overrides(args) + list(args.overrides)
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        # Recipes name user code as package.module:function; find it in the working directory as
+        # `python -m gputrain` (what torchrun workers run) does, so 1 and N processes behave alike.
+        sys.path.insert(0, os.getcwd())
+    args = parse_args(argv)
     worker = False
     try:
         worker = _is_worker()
         # torchrun gives each worker an error file: torch's `record` writes the exception there, for
         # the launcher to pick the first failing rank by time.
-        recorded = worker and "TORCHELASTIC_ERROR_FILE" in os.environ
-        command = worker_record(args.func, usage=USAGE_ERRORS) if recorded else args.func
-        _check_flags(args)
+        command = _recorded(args.func) if worker and "TORCHELASTIC_ERROR_FILE" in os.environ else args.func
+        check_flags(args)
         return command(args, argv)
     except Interrupted as err:  # the loop printed the one line (and wrote the checkpoint)
         return err.exit_code
@@ -267,19 +295,36 @@ def main(argv: Sequence[str] | None = None) -> int:
             print("gputrain: interrupted", file=sys.stderr)
         return exit_code_for_signal(signal.SIGINT)
     except USAGE_ERRORS as err:
-        if debug():
+        if _debug():
             raise
         _print_error(err, worker)
         return int(getattr(err, "exit_code", EXIT_USAGE))
     except Exception:
-        if worker and os.environ.get(LAUNCHER_ENV) and not debug():
+        if worker and _started_by_gputrain() and not _debug():
             return 1  # recorded in the error file; the launcher prints the first failing rank's line
         raise
 
 
+def _recorded(func: Any) -> Any:
+    from gputrain.launch import worker_record
+
+    return worker_record(func, usage=USAGE_ERRORS)
+
+
+def _debug() -> bool:
+    """``GPUTRAIN_DEBUG=1`` (gputrain.launch.debug, read here without importing torch for a usage error)."""
+    return bool(os.environ.get("GPUTRAIN_DEBUG"))
+
+
+def _started_by_gputrain() -> bool:
+    from gputrain.launch import LAUNCHER_ENV  # only asked in workers, which have torch loaded already
+
+    return bool(os.environ.get(LAUNCHER_ENV))
+
+
 def _print_error(err: BaseException, worker: bool) -> None:
     """One line; a worker started by gputrain leaves it to the launcher, one under plain torchrun names its rank."""
-    if worker and os.environ.get(LAUNCHER_ENV):
+    if worker and _started_by_gputrain():
         return
     rank = f"rank {os.environ.get('RANK', os.environ.get('SLURM_PROCID'))}: " if worker else ""
     print(f"gputrain: error: {rank}{str(err).strip()}", file=sys.stderr, flush=True)

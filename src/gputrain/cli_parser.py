@@ -1,4 +1,9 @@
-"""The argument parser of the ``gputrain`` command; ``gputrain.cli`` holds what each sub-command does."""
+"""The argument parser of the ``gputrain`` command; ``gputrain.cli`` holds what each sub-command does.
+
+This module imports no torch (nor anything that does): ``--help``, ``--version`` and usage errors
+answer in a fraction of a second. A new sub-command adds its parser here and a ``cmd_*`` function
+in ``gputrain.cli`` that imports its tool inside the function.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +14,87 @@ from typing import Any
 from gputrain.config import builtin_recipes
 
 Handler = Callable[[argparse.Namespace, Sequence[str]], int]
+
+DESCRIPTION = """\
+gputrain trains vision models (a conv autoencoder, ResNet-18/50, DeepLabv3+, Mask R-CNN) from one YAML
+recipe on a CPU, one GPU, several GPUs or several machines, with the same result at every scale."""
+
+EPILOG = f"""\
+commands:
+  train RECIPE [flags] [key=value ...]   train; each run gets a new folder runs/RECIPE-DATE-TIME
+                                         (runs/latest points to the newest)
+  eval [RECIPE] --checkpoint PATH        evaluate a checkpoint with the config saved in it; writes eval.json
+  export onnx --checkpoint PATH --out F  export a checkpoint to ONNX, checked with onnxruntime
+  predict --checkpoint PATH --input IMAGES --out DIR   run a checkpoint on images; writes predictions
+  report RUN_DIR                         draw curves.png and samples.png of a run
+  data make KIND --out DIR               write a small sample data set in a real on-disk format
+  bench scale RECIPE --devices 1,2       time a recipe over device counts and batch sizes
+  parity RECIPE                          do all ways of running a recipe train the same model?
+  doctor RECIPE                          a short dry run on real ranks that reports distributed mistakes
+  env                                    versions, devices and distributed settings of this machine
+
+built-in recipes: {', '.join(builtin_recipes())}
+
+example (sample data, 2 processes, export):
+  gputrain data make imagefolder --out data/frames
+  gputrain train autoencoder --devices 2 --epochs 5
+  gputrain export onnx --checkpoint runs/latest/checkpoints/last.pt --out runs/latest/model.onnx
+
+`gputrain COMMAND --help` lists a command's flags. Documentation: docs/index.md in the source tree;
+exit codes and what each command writes where: docs/cli.md."""
+
+
+MINIMUM = {"devices": 1, "epochs": 1, "batch_size": 1, "nnodes": 1, "node_rank": 0, "max_restarts": 0,
+           "count": 1, "size": 1, "opset": 7}
+"""Smallest value of each numeric flag; config fields have their ranges in gputrain.config_checks."""
+
+
+def check_flags(args: argparse.Namespace) -> None:
+    """Numbers no run can use, refused before anything starts, naming the flag."""
+    for name, low in MINIMUM.items():
+        values = getattr(args, name, None)
+        for value in values if isinstance(values, list) else [values]:
+            if value is not None and value < low:
+                raise ValueError(f"--{name.replace('_', '-')} {value}: must be at least {low}")
+
+
+COMMON_FLAGS = {"data_root": "data.root", "accelerator": "trainer.accelerator"}
+"""Flags of every command that runs a recipe (train, eval, parity, doctor, bench scale, export onnx), by the
+config field each sets; :func:`add_common_flags` defines them, :func:`common_overrides` turns them into overrides."""
+
+
+def add_common_flags(p: argparse.ArgumentParser) -> None:
+    """The flags in :data:`COMMON_FLAGS`, defined once for every command that runs a recipe."""
+    p.add_argument("--data-root", help="dataset folder (data.root)")
+    p.add_argument("--accelerator", choices=["auto", "cpu", "cuda"], help="where to run (trainer.accelerator)")
+
+
+def common_overrides(args: argparse.Namespace) -> list[str]:
+    """``data.root='...'``-style overrides for the common flags given (YAML-quoted: any path survives)."""
+    given = [(key, getattr(args, name, None)) for name, key in COMMON_FLAGS.items()]
+    return [f"{key}='{str(value).replace(chr(39), chr(39) * 2)}'" for key, value in given if value is not None]
+
+
+class _Version(argparse.Action):
+    """``--version``: the versions of torch and torchvision from their metadata, without importing them."""
+
+    def __init__(self, option_strings: Sequence[str], version: str, dest: str = argparse.SUPPRESS,
+                 help: str = "print versions and exit") -> None:  # noqa: A002 (argparse's name)
+        super().__init__(option_strings=option_strings, dest=dest, default=argparse.SUPPRESS, nargs=0, help=help)
+        self.version = version
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        from importlib.metadata import PackageNotFoundError, version
+
+        def of(name: str) -> str:
+            try:
+                return version(name)
+            except PackageNotFoundError:
+                return "not installed"
+
+        print(f"gputrain {self.version} (torch {of('torch')}, torchvision {of('torchvision')})")  # stdout, as argparse's
+        parser.exit()
 
 
 def _int_list(text: str) -> list[int]:
@@ -27,7 +113,7 @@ def _run_flags(p: argparse.ArgumentParser, *, training: bool, hidden: Sequence[s
     p.add_argument("overrides", nargs="*", help=f"dotted config overrides, e.g. {example}")
     p.add_argument("--devices", type=int, help="processes on this node (one per GPU; ddp)")
     p.add_argument("--strategy", help="single, ddp, dp, ... (trainer.strategy)")
-    p.add_argument("--accelerator", choices=["auto", "cpu", "cuda"])
+    add_common_flags(p)
     p.add_argument("--precision", choices=["32", "16-mixed", "bf16-mixed"],
                    help="a recipe's 16-bit default falls back to 32 on a CPU; this flag is obeyed")
     p.add_argument("--batch-size", type=int, help="per device; the global batch is printed at start")
@@ -40,7 +126,6 @@ def _run_flags(p: argparse.ArgumentParser, *, training: bool, hidden: Sequence[s
         p.add_argument("--out", help="folder for eval.json (default: RUN/eval beside the checkpoint's run)")
         p.add_argument("--overwrite", action="store_const", const=True, default=None,
                        help="replace an eval.json already in --out")
-    p.add_argument("--data-root", help="dataset folder (data.root)")
     p.add_argument("--nnodes", type=int, help="nodes in the job (torchrun rendezvous)")
     p.add_argument("--node-rank", type=int)
     p.add_argument("--rdzv-endpoint", help="HOST:PORT of the c10d rendezvous for multi-node jobs")
@@ -53,13 +138,9 @@ def _run_flags(p: argparse.ArgumentParser, *, training: bool, hidden: Sequence[s
 def build_parser(description: str, epilog: str, version: str, eval_hidden: Sequence[str],
                  handlers: Mapping[str, Handler]) -> argparse.ArgumentParser:
     """The whole command line; ``handlers`` maps sub-command names to the functions that run them."""
-    import torch
-    import torchvision
-
     raw: dict[str, Any] = {"formatter_class": argparse.RawDescriptionHelpFormatter}
     parser = argparse.ArgumentParser(prog="gputrain", description=description, epilog=epilog, **raw)
-    parser.add_argument("--version", action="version",
-                        version=f"gputrain {version} (torch {torch.__version__}, torchvision {torchvision.__version__})")
+    parser.add_argument("--version", action=_Version, version=version)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     recipes = ", ".join(builtin_recipes())
@@ -95,24 +176,85 @@ def build_parser(description: str, epilog: str, version: str, eval_hidden: Seque
     scale.add_argument("--devices", type=_int_list, default=[1, 2], help="e.g. 1,2")
     scale.add_argument("--batch-size", type=_int_list, default=[64, 128], help="per device, e.g. 64,128")
     scale.add_argument("--epochs", type=int, default=2)
-    scale.add_argument("--accelerator", default="auto", choices=["auto", "cpu", "cuda"])
+    add_common_flags(scale)
     scale.add_argument("--out", default=None, help="folder for scale.json/md/png (default: a new runs/scale-DATE-TIME)")
     scale.add_argument("--overwrite", action="store_true", help="replace the contents of a non-empty --out")
     scale.set_defaults(func=handlers["bench scale"])
 
     export = sub.add_parser("export", help="export models").add_subparsers(dest="export_command", required=True)
     onnx = export.add_parser("onnx", help="export a checkpoint to ONNX and check it with onnxruntime")
+    onnx.add_argument("recipe", nargs="?", default=None,
+                      help="optional: the recipe, for a checkpoint without a saved config (one of another model "
+                           "is ignored, with a line saying so)")
     onnx.add_argument("overrides", nargs="*", help="dotted overrides of the checkpoint's saved config")
     onnx.add_argument("--checkpoint", required=True)
     onnx.add_argument("--out", required=True, help="the .onnx file to write")
     onnx.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     onnx.add_argument("--input-shape", type=_int_list, default=None, help="e.g. 1,3,80,80 (default: from the data)")
     onnx.add_argument("--opset", type=int, default=18)
+    add_common_flags(onnx)
     onnx.set_defaults(func=handlers["export onnx"])
 
-    # The diagnostic tools register their own sub-commands (each module also runs alone: python -m ...).
-    from gputrain.tools import doctor, env, parity
+    pred = sub.add_parser("predict", help="run a checkpoint on image files and write its predictions",
+                          description="Predict with a checkpoint's own config and evaluation preprocessing; every "
+                                      "image once across processes; rank 0 writes into --out (docs/predict.md).")
+    pred.add_argument("overrides", nargs="*", help="dotted overrides of the checkpoint's saved config")
+    pred.add_argument("--checkpoint", required=True, help="a checkpoint file, e.g. runs/latest/checkpoints/last.pt")
+    pred.add_argument("--input", nargs="+", required=True, help="image files and/or folders of images")
+    pred.add_argument("--out", required=True, help="folder for the predictions (a non-empty one needs --overwrite)")
+    pred.add_argument("--overwrite", action="store_true", help="replace predictions already in --out")
+    pred.add_argument("--annotations", default="", help="detection: the COCO json whose image and category ids to use")
+    pred.add_argument("--devices", type=int, help="processes on this node")
+    pred.add_argument("--accelerator", choices=["auto", "cpu", "cuda"])
+    pred.add_argument("--precision", choices=["32", "16-mixed", "bf16-mixed"])
+    pred.add_argument("--batch-size", type=int, help="images per process per forward")
+    pred.set_defaults(func=handlers["predict"])
 
-    for tool in (parity, doctor, env):
-        tool.add_parser(sub)
+    report = sub.add_parser("report", help="draw curves.png and samples.png of a run folder",
+                            description="Write curves.png (loss and metric per epoch, from metrics.jsonl) and "
+                                        "samples.png (validation predictions of checkpoints/last.pt) into RUN_DIR.")
+    report.add_argument("run_dir", help="a run folder, e.g. runs/latest")
+    report.add_argument("--samples", type=int, default=8, help="validation images in samples.png (0: none)")
+    report.set_defaults(func=handlers["report"])
+
+    _add_tools(sub, handlers)
     return parser
+
+
+def _add_tools(sub: Any, handlers: Mapping[str, Handler]) -> None:
+    """parity, doctor and env: the diagnostic tools (each also runs alone: ``python -m gputrain.tools.parity``)."""
+    p = sub.add_parser("parity", help="train a few steps in several modes and compare losses and weights")
+    p.add_argument("recipe", help="built-in recipe or a YAML file (its task may name package.module:function)")
+    p.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. trainer.sync_batchnorm=true")
+    p.add_argument("--modes", type=lambda s: [x for x in s.split(",") if x], default=list(PARITY_MODES),
+                   help=f"comma-separated, from {','.join(PARITY_MODES)} (default: all)")
+    p.add_argument("--global-batch", type=int, default=None, help="samples per optimizer step (default: "
+                                                                   "trainer.batch_size); even")
+    p.add_argument("--steps", type=int, default=2, help="optimizer steps per epoch")
+    p.add_argument("--epochs", type=int, default=2, help="epochs (2 crosses an epoch boundary)")
+    p.add_argument("--tol", type=float, default=1e-5, help="largest allowed |loss| and |weight| difference")
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds a collective may wait (a hung mode fails)")
+    p.add_argument("--dtype", choices=["float64", "float32"], default="float64",
+                   help="float64 (default) compares the arithmetic without rounding noise; float32 as trained")
+    p.add_argument("--json", action="store_true", help="machine-readable report")
+    add_common_flags(p)
+    p.set_defaults(func=handlers["parity"])
+
+    p = sub.add_parser("doctor", help="dry-run a recipe on real ranks and report distributed mistakes")
+    p.add_argument("recipe", help="built-in recipe or a YAML file (its task may name package.module:function)")
+    p.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. trainer.batch_size=8")
+    p.add_argument("--devices", type=int, default=None, help="ranks of the dry run (default: the recipe's, at least 2)")
+    p.add_argument("--steps", type=int, default=3, help="optimizer steps per epoch; the dry run has 2 epochs")
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds a collective may wait before the run is "
+                                                               "declared hung")
+    p.add_argument("--json", action="store_true", help="machine-readable report")
+    add_common_flags(p)
+    p.set_defaults(func=handlers["doctor"])
+
+    p = sub.add_parser("env", help="versions, devices, topology, distributed variables and backends")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=handlers["env"])
+
+
+PARITY_MODES = ("single", "ddp", "accumulation", "dp", "pipeline", "fsdp", "model_parallel")
+"""The modes of ``gputrain parity`` (``gputrain.tools.parity.MODES``; a unit test keeps the two equal)."""

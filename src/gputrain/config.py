@@ -12,9 +12,17 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-import yaml
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
+
+from gputrain.config_checks import (
+    check_combinations,
+    check_numbers,
+    check_recipe_types,
+    dotlist,
+    first_line,
+    load_recipe_yaml,
+)
 
 
 @dataclass(kw_only=True)
@@ -37,8 +45,8 @@ class DataConfig:
     """Side images are resized or cropped to; 0 keeps the files' size."""
     num_classes: int = 0
     """Class count for classification and segmentation; checked against the labels."""
-    num_workers: int = 0
-    """DataLoader worker processes per rank."""
+    num_workers: int | str = 0
+    """DataLoader worker processes per rank, or ``auto``: the node's cores divided by its processes (capped)."""
     augment: bool = True
     """Random training augmentation where the task has one."""
 
@@ -173,6 +181,11 @@ class TrainerConfig:
     """GPU where dp gathers outputs; None means dp_device_ids[0]."""
     max_steps_per_epoch: int = 0
     """Stop each epoch after this many optimizer steps (smoke tests, parity); 0 means the whole epoch."""
+    async_checkpoint: bool = True
+    """Write checkpoints in a background thread: the step only copies the state (sharded checkpoints stay synchronous)."""
+    pictures: int = 8
+    """Validation images drawn in samples.png at the end of training (and sent to TensorBoard/W&B at each
+    evaluation); curves.png is written beside it. 0 writes neither picture (docs/report.md)."""
 
 
 @dataclass(kw_only=True)
@@ -220,46 +233,6 @@ def recipe_path(recipe: str) -> Path:
     return Path(str(candidate))
 
 
-def _first_line(err: BaseException) -> str:
-    msg = getattr(err, "msg", None) or str(err)
-    return str(msg).strip().splitlines()[0]
-
-
-def _load_recipe(recipe: str) -> Any:
-    """The recipe's YAML; a syntax error becomes one line naming the file, line and column."""
-    path = recipe_path(recipe)
-    try:
-        layer = OmegaConf.load(path)
-    except yaml.YAMLError as err:
-        mark, start = getattr(err, "problem_mark", None), getattr(err, "context_mark", None)
-        where = f" line {mark.line + 1} column {mark.column + 1}" if mark is not None else ""
-        problem = getattr(err, "problem", None) or _first_line(err)
-        if start is not None and getattr(err, "context", None):
-            problem += f", {err.context} started at line {start.line + 1} column {start.column + 1}"
-        raise ValueError(f"recipe {path}{where}: YAML syntax error ({problem}); fix the file, e.g. a missing "
-                         "bracket, quote or colon") from None
-    if not isinstance(layer, DictConfig):
-        raise ValueError(f"recipe {path} is not a mapping of sections (task:, data:, model:, trainer: ...)")
-    return layer
-
-
-def _dotlist(overrides: list[str]) -> Any:
-    try:
-        return OmegaConf.from_dotlist(list(overrides))
-    except yaml.YAMLError as err:
-        bad = next((o for o in overrides if _bad_yaml(o)), " ".join(overrides))
-        raise ValueError(f"override {bad!r} is not valid YAML ({_first_line(err)}); quote lists like "
-                         "'trainer.loggers=[csv,tensorboard]'") from None
-
-
-def _bad_yaml(override: str) -> bool:
-    try:
-        yaml.safe_load(override.partition("=")[2])
-    except yaml.YAMLError:
-        return True
-    return False
-
-
 def load_config(recipe: str | None = None, overrides: list[str] | None = None, *,
                 layers: Sequence[dict[str, Any]] = ()) -> RunConfig:
     """Defaults, then the recipe's YAML, then ``layers`` (plain dicts), then dotted overrides (``trainer.epochs=3``).
@@ -270,55 +243,32 @@ def load_config(recipe: str | None = None, overrides: list[str] | None = None, *
     merged_layers = [OmegaConf.structured(RunConfig)]
     try:
         if recipe:
-            merged_layers.append(_load_recipe(recipe))
+            path = recipe_path(recipe)
+            merged_layers.append(load_recipe_yaml(path))
+            check_recipe_types(path, merged_layers)
         merged_layers += [OmegaConf.create(layer) for layer in layers]
         if overrides:
-            merged_layers.append(_dotlist(overrides))
+            merged_layers.append(dotlist(overrides))
         merged = OmegaConf.merge(*merged_layers)
         cfg = OmegaConf.to_object(merged)
     except OmegaConfBaseException as err:
         # OmegaConf names the dotted key (full_key) and the expected type; keep that, drop the noise.
         key = getattr(err, "full_key", None) or "?"
-        raise ValueError(f"bad config value for {key}: {_first_line(err)}") from None
+        raise ValueError(f"bad config value for {key}: {first_line(err)}") from None
     assert isinstance(cfg, RunConfig)
     validate(cfg)
     return cfg
 
 
-def _check(ok: bool, field_name: str, value: Any, need: str) -> None:
-    if not ok:
-        raise ValueError(f"{field_name}={value!r} {need}")
-
-
 def validate(cfg: RunConfig) -> None:
-    """Refuse values no run can use, before anything starts; the error names the dotted field.
+    """Refuse values no run can use, before anything starts; the error names the dotted field and the allowed range.
 
-    Types are OmegaConf's job; this checks ranges and combinations. Names (strategy, precision,
-    optimizer, model) are checked where they are built, against the registries that define them.
+    Types are OmegaConf's job; ranges (declared per field in :mod:`gputrain.config_checks`) and
+    combinations are checked here. Names (strategy, precision, optimizer, model) are checked where
+    they are built, against the registries that define them.
     """
-    t, d, o, launch = cfg.trainer, cfg.data, cfg.optim, cfg.launch
-    at_least = {
-        "trainer.devices": (t.devices, 1), "trainer.epochs": (t.epochs, 1), "trainer.batch_size": (t.batch_size, 1),
-        "trainer.accumulate_grad_batches": (t.accumulate_grad_batches, 1), "trainer.eval_batch_size": (t.eval_batch_size, 0),
-        "trainer.log_every_n_steps": (t.log_every_n_steps, 0), "trainer.eval_every_n_epochs": (t.eval_every_n_epochs, 0),
-        "trainer.checkpoint_every_n_epochs": (t.checkpoint_every_n_epochs, 0),
-        "trainer.checkpoint_every_n_steps": (t.checkpoint_every_n_steps, 0), "trainer.keep_last": (t.keep_last, 0),
-        "trainer.max_steps_per_epoch": (t.max_steps_per_epoch, 0), "trainer.grad_clip_norm": (t.grad_clip_norm, 0),
-        "data.image_size": (d.image_size, 0), "data.num_classes": (d.num_classes, 0), "data.num_workers": (d.num_workers, 0),
-        "optim.weight_decay": (o.weight_decay, 0), "optim.momentum": (o.momentum, 0),
-        "optim.reference_batch": (o.reference_batch, 1), "scheduler.warmup_steps": (cfg.scheduler.warmup_steps, 0),
-        "launch.nnodes": (launch.nnodes, 1), "launch.max_restarts": (launch.max_restarts, 0),
-    }
-    for name, (value, low) in at_least.items():
-        _check(value >= low, name, value, f"must be at least {low}")
-    _check(o.lr > 0, "optim.lr", o.lr, "must be above 0")
-    _check(t.timeout_s > 0, "trainer.timeout_s", t.timeout_s, "must be above 0 seconds")
-    _check(0 <= d.val_fraction < 1, "data.val_fraction", d.val_fraction, "must be in [0, 1), e.g. 0.2 for an 8:2 split")
-    _check(t.monitor_mode in ("min", "max"), "trainer.monitor_mode", t.monitor_mode, "is not min or max")
-    _check(0 <= launch.node_rank < launch.nnodes, "launch.node_rank", launch.node_rank,
-           f"must be in [0, launch.nnodes={launch.nnodes})")
-    if t.overwrite and t.resume == "auto":
-        raise ValueError("trainer.overwrite=true would delete the run that trainer.resume=auto continues; choose one")
+    check_numbers(cfg)
+    check_combinations(cfg)
 
 
 def config_from_dict(data: dict[str, Any]) -> RunConfig:

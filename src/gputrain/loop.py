@@ -9,6 +9,7 @@ samples each step trains on is decided by the framework's :class:`~gputrain.data
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -59,6 +60,8 @@ class Trainer:
         self.resumed = False
         self.checkpoints: Any = None
         """The run's :class:`~gputrain.checkpoint.CheckpointStore`; None when checkpointing is off."""
+        self.checkpoint_writer: Any = None
+        """Writes into ``checkpoints`` (:class:`~gputrain.checkpoint_writer.CheckpointWriter`); None when off."""
         self.hooks: list[Hook] = []
 
     # -- setup ---------------------------------------------------------------------------
@@ -92,6 +95,12 @@ class Trainer:
                 f"or gputrain.launch(fn, devices={t.devices})"
             )
         self.precision = build_precision(t.precision, self.dist.device)
+        if self.cfg.data.num_workers == "auto":  # resolved once, so config.yaml and every tool see the count
+            from gputrain.data.workers import resolve_num_workers, usable_cores
+
+            local = int(os.environ.get("LOCAL_WORLD_SIZE", self.dist.world_size))
+            workers = resolve_num_workers("auto", cores=usable_cores(), local_processes=local)
+            self.cfg = dataclasses.replace(self.cfg, data=dataclasses.replace(self.cfg.data, num_workers=workers))
         self.out = self._run_folder(for_training)
 
     def _run_folder(self, for_training: bool) -> Path:
@@ -115,7 +124,7 @@ class Trainer:
         return Path(self.strategy.broadcast_object(chosen))
 
     def _loader(self, data: Dataset, *, train: bool) -> DataLoader:
-        t, workers = self.cfg.trainer, self.cfg.data.num_workers
+        t, workers = self.cfg.trainer, int(self.cfg.data.num_workers)  # "auto" was resolved at setup
         # A generator of the loader's own: starting an epoch's iterator draws a worker seed from it, which
         # from the global generator would shift dropout's stream and break a mid-epoch resume.
         common: dict[str, Any] = dict(collate_fn=self.task.collate_fn(), num_workers=workers,
@@ -179,6 +188,11 @@ class Trainer:
                                                monitor_mode=t.monitor_mode)
             if self.dist.is_main:
                 remove_stale_temporaries(self.out / "checkpoints")
+            from gputrain.checkpoint_writer import CheckpointWriter
+
+            # DCP writes a sharded checkpoint collectively in save_checkpoint; its small file stays in step.
+            self.checkpoint_writer = CheckpointWriter(
+                self.checkpoints, asynchronous=t.async_checkpoint and not self.cfg.parallel.sharded_checkpoint)
         self.hooks = default_hooks(self.cfg) + self.extra_hooks
         if resume_state is not None:
             apply_resume_state(self, resume_state)
@@ -283,7 +297,7 @@ class Trainer:
         signum = self.stop.agreed()
         if signum:
             name = f"step_{self.state.global_step:06d}"
-            saved = save_checkpoint(self, name) if self.checkpoints is not None else None
+            saved = save_checkpoint(self, name, wait=True) if self.checkpoints is not None else None
             where = f"checkpoint {saved}" if saved else "no checkpoint (trainer.enable_checkpointing=false)"
             message = (f"interrupted at epoch {self.state.epoch + 1} step {self.state.global_step} ({where}); "
                        f"continue with: {self._resume_command()}")
@@ -339,10 +353,11 @@ def default_hooks(cfg: RunConfig) -> list[Hook]:
     """Progress, logging, and epoch checkpoints when enabled: the hooks every run gets, built outside the loop."""
     from gputrain.hooks.checkpoint import CheckpointHook
     from gputrain.hooks.logging import LoggingHook
+    from gputrain.hooks.pictures import PicturesHook
     from gputrain.hooks.progress import ProgressHook
 
     t = cfg.trainer
     hooks: list[Hook] = [ProgressHook(bar=t.progress_bar), LoggingHook(list(t.loggers))]
     if t.enable_checkpointing:
         hooks.append(CheckpointHook(t.checkpoint_every_n_epochs))
-    return hooks
+    return [*hooks, PicturesHook()]  # last: after the loggers closed metrics.jsonl

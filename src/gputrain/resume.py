@@ -51,6 +51,8 @@ def all_finite(trainer: Trainer, loss: float | None = None) -> bool:
 
 def raise_non_finite(trainer: Trainer, what: str) -> None:
     store = trainer.checkpoints
+    if trainer.checkpoint_writer is not None:
+        trainer.checkpoint_writer.wait()  # the save in flight (finite: it was checked) counts as the last good one
     last = store.latest_valid() if store is not None and trainer.dist.is_main else None
     last = trainer.strategy.broadcast_object(str(last) if last else "")
     kept = f"the last good checkpoint, {last}, is kept" if last else "no checkpoint had been written"
@@ -82,8 +84,13 @@ def checkpoint_state(trainer: Trainer, sharded: str = "") -> dict[str, Any]:
     }
 
 
-def save_checkpoint(trainer: Trainer, name: str, metrics: dict[str, float] | None = None) -> Path | None:
-    """Write checkpoint ``name`` (rank 0) after all ranks agree that everything in it is finite."""
+def save_checkpoint(trainer: Trainer, name: str, metrics: dict[str, float] | None = None, *,
+                    wait: bool = False) -> Path | None:
+    """Write checkpoint ``name`` (rank 0) after all ranks agree that everything in it is finite.
+
+    With ``trainer.async_checkpoint`` the file is written in the background (returns its future path);
+    ``wait`` returns only once it is on disk (a signal's stop).
+    """
     store = trainer.checkpoints
     if store is None:
         return None
@@ -100,7 +107,11 @@ def save_checkpoint(trainer: Trainer, name: str, metrics: dict[str, float] | Non
         save_sharded(trainer.strategy, trainer.module, trainer.optimizer, store.folder / sharded)
         trainer.strategy.barrier()
     state = checkpoint_state(trainer, sharded)
-    path = store.save(state, name=name, metrics=metrics) if trainer.dist.is_main else None
+    path = None
+    if trainer.dist.is_main:
+        path = trainer.checkpoint_writer.save(state, name=name, metrics=metrics)
+        if wait:
+            trainer.checkpoint_writer.wait()
     if sharded and trainer.dist.is_main:
         _prune_sharded_folders(store.folder)
     trainer.strategy.barrier()

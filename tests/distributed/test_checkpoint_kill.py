@@ -155,3 +155,54 @@ def test_kill_at_many_instants_during_a_large_save(tmp_path):
         assert load_checkpoint(latest)["state"]["global_step"] >= completed  # nothing that returned is lost
         assert load_checkpoint(tmp_path / f"step_{completed:06d}.pt")["state"]["global_step"] == completed
         remove_stale_temporaries(tmp_path)
+
+
+def _async_save_then_hold(folder: Path, fifo: Path, conn: Connection) -> None:
+    """Child: hand step 3 to the background writer, which pauses inside torch.save on ``fifo``; then keep 'training'."""
+    from gputrain.checkpoint_writer import CheckpointWriter
+
+    os.environ["GPUTRAIN_TEST_PAUSE_SAVE"] = str(fifo)
+    state = _state(3)
+    path = CheckpointWriter(CheckpointStore(folder, keep_last=2, monitor="val/loss")).save(
+        state, name="step_000003", metrics={"val/loss": 0.5})
+    state["model"]["w"].add_(1.0)  # the next step, while the writer is still inside the write
+    conn.send(str(path))
+    conn.recv()  # wait here, as a training loop would, until the parent kills us
+
+
+def test_kill_while_the_background_writer_is_inside_a_save(tmp_path):
+    folder = tmp_path / "checkpoints"
+    store = CheckpointStore(folder, keep_last=2, monitor="val/loss")
+    store.save(_state(1), name="step_000001", metrics={"val/loss": 2.0})
+    store.save(_state(2), name="step_000002", metrics={"val/loss": 1.0})
+    fifo = tmp_path / "hold.fifo"
+    os.mkfifo(fifo)
+    receive, send = _FORK.Pipe()
+    child = _FORK.Process(target=_async_save_then_hold, args=(folder, fifo, send))
+    child.start()
+    try:
+        assert receive.poll(60), "the child's save did not return while its writer was held"
+        assert receive.recv() == str(folder / "step_000003.pt")  # save returned: the step goes on
+        end = None
+        while end is None and child.is_alive():  # the writer opens its end once it is inside torch.save
+            try:
+                end = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+            except OSError:
+                time.sleep(0.01)
+        assert end is not None, f"the child died (exit {child.exitcode}) before its writer reached the write"
+        partial = [p for p in folder.iterdir() if p.name.startswith(".step_000003.pt.")]
+        assert len(partial) == 1  # a temporary holding part of the checkpoint exists now
+        os.kill(child.pid, signal.SIGKILL)
+        child.join()
+        os.close(end)
+    finally:
+        if child.is_alive():
+            child.kill()
+            child.join()
+    assert child.exitcode == -signal.SIGKILL
+    latest = _assert_nothing_lies(folder)
+    assert latest == folder / "step_000002.pt" and load_checkpoint(folder / "last.pt")["state"]["global_step"] == 2
+    assert not (folder / "step_000003.pt").exists()
+    assert remove_stale_temporaries(folder) == partial  # the next start removes the part, and only it
+    assert sorted(p.name for p in folder.iterdir()) == ["best.pt", "last.pt", "manifest.json", "step_000001.pt",
+                                                        "step_000002.pt"]

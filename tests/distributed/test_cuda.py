@@ -70,3 +70,21 @@ def test_mixed_precision_on_gpu(name):
     assert not torch.equal(before, model.weight)
     if name == "16-mixed":
         assert precision.state_dict()["scaler"]["scale"] > 0
+
+
+def test_async_checkpoint_copies_cuda_state_to_pinned_buffers_before_the_step(tmp_path):
+    """The writer's CUDA path: non-blocking copies into pinned host buffers, ordered before later kernels."""
+    from gputrain.checkpoint import CheckpointStore, load_checkpoint
+    from gputrain.checkpoint_writer import CheckpointWriter
+
+    writer = CheckpointWriter(CheckpointStore(tmp_path))
+    weights = torch.arange(1 << 20, dtype=torch.float32, device=CUDA0)
+    for step in (1, 2):  # the second save reuses the first one's pinned buffer
+        writer.save({"model": {"w": weights}, "state": {"global_step": step}}, name=f"step_{step:06d}")
+        weights.add_(1.0)  # the next step's kernel, queued behind the copy on the same stream
+    writer.wait()
+    assert writer._pinned and all(buffer.is_pinned() for buffer in writer._pinned)
+    for step in (1, 2):
+        saved = load_checkpoint(tmp_path / f"step_{step:06d}.pt")["model"]["w"]
+        assert saved.device.type == "cpu"
+        assert torch.equal(saved, torch.arange(1 << 20, dtype=torch.float32) + (step - 1))

@@ -120,4 +120,5 @@ def test_bench_scale_writes_table_json_and_plot(frames, tmp_path):
     assert [(r["devices"], r["batch_size"], r["iters_per_epoch"]) for r in rows] == [(1, 8, 6), (2, 8, 4)]
     assert rows[0]["speedup"] == 1.0 and rows[1]["efficiency"] == pytest.approx(rows[1]["speedup"] / 2)
     assert (tmp_path / "scale.png").stat().st_size > 1000
-    assert "| devices | batch size (per device) | iters per epoch (train + val) | total training time |" in done.stdout
+    assert "| devices | threads per process | batch size (per device) | iters per epoch (train + val) |" in done.stdout
+    assert [r["threads"] for r in rows] == [1, 1]  # ENV sets OMP_NUM_THREADS=1: kept, the same in both rows

@@ -177,6 +177,42 @@ def test_2_a_model_that_does_not_fit_is_one_line_naming_the_field(trained, workd
     assert not (tmp_path / "e" / "eval.json").exists() and not (tmp_path / "m.onnx").exists()
 
 
+def test_2_another_recipe_is_ignored_by_eval_and_export_never_merged_into_the_checkpoint(
+        trained, workdir, capsys, monkeypatch, tmp_path):
+    """Issue 15 item 3: cifar10-resnet18's model.kwargs (cifar_stem) used to reach the autoencoder's builder."""
+    run, _ = trained
+    monkeypatch.chdir(workdir)
+    checkpoint = str(run / "checkpoints" / "last.pt")
+    code, out, err = cli(capsys, "eval", "--checkpoint", checkpoint, "--out", str(tmp_path / "plain"))
+    assert code == 0, err
+    expected = json.loads((tmp_path / "plain" / "eval.json").read_text())
+    ignored = (f"gputrain: eval ignores recipe cifar10-resnet18 (task=classification model.name=resnet18): "
+               f"{checkpoint} was trained as task=autoencoder model.name=first_hour_models:tiny_ae, so it is used with the config "
+               "saved in it; drop the recipe to silence this")
+    for extra in ((), ("--overwrite",)):
+        code, out, err = cli(capsys, "eval", "cifar10-resnet18", "--checkpoint", checkpoint,
+                             "--out", str(tmp_path / "other"), *extra)
+        assert code == 0, err
+        assert ignored in out.splitlines() and "Traceback" not in err
+        got = json.loads((tmp_path / "other" / "eval.json").read_text())
+        assert got["val/loss"] == expected["val/loss"] and got["val/samples"] == expected["val/samples"]
+    # The same task and model with other model options: the recipe says how to run, never what the model is.
+    same = tmp_path / "same.yaml"
+    same.write_text("task: autoencoder\nmodel:\n  name: first_hour_models:tiny_ae\n"
+                    "  kwargs: {width: 16, not_an_option: 1}\ntrainer:\n"
+                    "  eval_batch_size: 3\n")
+    code, out, err = cli(capsys, "eval", str(same), "--checkpoint", checkpoint, "--out", str(tmp_path / "same"))
+    assert code == 0, err
+    got = json.loads((tmp_path / "same" / "eval.json").read_text())
+    assert got["val/loss"] == pytest.approx(expected["val/loss"], rel=1e-6)  # batches of 3: another summation order
+    assert got["val/samples"] == expected["val/samples"] and "ignores recipe" not in out
+    code, out, err = cli(capsys, "export", "onnx", "cifar10-resnet18", "--checkpoint", checkpoint,
+                         "--out", str(tmp_path / "m.onnx"), "--input-shape", "1,3,32,32")
+    assert code == 0, err
+    assert ignored.replace("eval ignores", "export ignores") in out.splitlines()
+    assert (tmp_path / "m.onnx").is_file()
+
+
 def test_2_and_6_a_truncated_checkpoint_is_named(trained, tmp_path, capsys, monkeypatch, workdir):
     run, _ = trained
     monkeypatch.chdir(workdir)
@@ -279,10 +315,11 @@ def test_6_images_of_different_sizes_name_the_first_odd_file(workdir, tmp_path, 
 
 
 def test_6_a_failing_run_inside_bench_scale_is_named(capsys, cwd):
+    (cwd / "empty").mkdir()  # exists (a missing folder is refused before any run), but holds no images
     code, _, err = cli(capsys, "bench", "scale", "autoencoder", "--devices", "1", "--batch-size", "4",
-                       "--accelerator", "cpu", "--out", "scale", "data.root=nowhere")
+                       "--accelerator", "cpu", "--out", "scale", "data.root=empty")
     line = one_error_line(err)
-    assert code == 2 and "--devices 1 --batch-size 4 failed (exit 2)" in line and "data.root=nowhere" in line
+    assert code == 2 and "--devices 1 --batch-size 4 failed (exit 2)" in line and "empty" in line
 
 
 # -- 7. multi-process runs: early and quiet ---------------------------------------------------------

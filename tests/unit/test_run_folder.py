@@ -30,7 +30,15 @@ from gputrain.run_folder import (
 )
 from gputrain.tools.from_checkpoint import config_from_checkpoint, load_fitting, python_run_message
 from gputrain.tools.make_data import make_dataset
-from gputrain.tools.scale import ScaleRow, _error_line, add_speedup, markdown_table
+from gputrain.tools.scale import (
+    ScaleRow,
+    _error_line,
+    add_speedup,
+    markdown_table,
+    plot,
+    run_command,
+    threads_per_process,
+)
 
 NOON = datetime(2026, 11, 23, 14, 15, 2)
 
@@ -208,6 +216,24 @@ def test_eval_config_comes_from_the_checkpoint_and_overrides_win(tmp_path):
     assert "export_model(model, 'last.pt'" in python_run_message("last.pt", python_run["config"], "export")
 
 
+def test_another_recipe_never_merges_its_model_options_into_a_checkpoint():
+    """Issue 15 item 3: cifar10-resnet18's model.kwargs.cifar_stem reached the autoencoder's builder."""
+    from gputrain.config import to_dict
+
+    saved = to_dict(load_config("autoencoder", ["model.kwargs.width=4", "trainer.batch_size=5"]))
+    state = {"model": {}, "config": saved}
+    cfg, note = config_from_checkpoint(state, "last.pt", recipe="cifar10-resnet18", overrides=["trainer.batch_size=3"])
+    assert (cfg.task, cfg.model.name, cfg.model.kwargs) == ("autoencoder", "conv_autoencoder", {"width": 4})
+    assert cfg.trainer.batch_size == 3 and cfg.data == load_config(None, layers=[saved]).data
+    assert note == ("gputrain: eval ignores recipe cifar10-resnet18 (task=classification model.name=resnet18): "
+                    "last.pt was trained as task=autoencoder model.name=conv_autoencoder, so it is used with the config "
+                    "saved in it; drop the recipe to silence this")
+    # The same task and model: the recipe says how to run (trainer), the checkpoint what the model is.
+    cfg, note = config_from_checkpoint(state, "last.pt", recipe="autoencoder", overrides=[])
+    assert note == "" and cfg.model.kwargs == {"width": 4}
+    assert cfg.trainer.batch_size == load_config("autoencoder").trainer.batch_size
+
+
 # -- preflight --------------------------------------------------------------------------------
 
 
@@ -284,3 +310,35 @@ def test_bench_scale_cautions_where_efficiency_exceeds_one():
     table = markdown_table(rows)
     assert "| 2.50 (!) | 1.25 (!) |" in table and "efficiency above 1 is not possible" in table
     assert _error_line("noise\ngputrain: error: data.root=x does not exist\n") == "data.root=x does not exist"
+
+
+def test_bench_scale_gives_every_row_the_same_threads_per_process_and_states_them(tmp_path):
+    """Issue 15 item 10: unset OMP_NUM_THREADS gave 1 process all cores and N processes a share each."""
+    assert threads_per_process([1, 2], cores=2, env={}) == 1  # the largest device count's share, for every row
+    assert threads_per_process([1, 2, 4], cores=16, env={}) == 4
+    assert threads_per_process([1, 2], cores=2, env={"OMP_NUM_THREADS": "3"}) == 3  # the user's choice is kept
+    with pytest.raises(ValueError, match="OMP_NUM_THREADS='x' must be a whole number"):
+        threads_per_process([1], cores=2, env={"OMP_NUM_THREADS": "x"})
+    threads = threads_per_process([1, 2], cores=8, env={})
+    envs = [run_command("autoencoder", d, 8, epochs=2, out=tmp_path / str(d), accelerator="cpu", threads=threads,
+                        overrides=["data.root=x"])[1] for d in (1, 2)]
+    assert [e["OMP_NUM_THREADS"] for e in envs] == ["4", "4"]
+    cmd, _ = run_command("autoencoder", 2, 8, epochs=2, out=tmp_path, accelerator="cpu", threads=4,
+                         overrides=["data.root=x"])
+    assert cmd[-1] == "data.root=x" and "--devices=2" in cmd  # the user's overrides come last and win
+    rows = [ScaleRow(devices=1, batch_size=8, iters_per_epoch=4, train_time_s=1, startup_s=1, images_per_s=100,
+                     threads=4),
+            ScaleRow(devices=2, batch_size=8, iters_per_epoch=2, train_time_s=1, startup_s=1, images_per_s=250,
+                     threads=4)]
+    add_speedup(rows)
+    table = markdown_table(rows).splitlines()
+    assert table[0].startswith("| devices | threads per process |") and table[3].startswith("| 2 | 4 | 8 |")
+
+
+def test_bench_scale_plot_marks_the_impossible_points_as_the_table_does(tmp_path):
+    pytest.importorskip("matplotlib")
+    rows = [ScaleRow(devices=d, batch_size=b, iters_per_epoch=4, train_time_s=1, startup_s=1, images_per_s=ips,
+                     threads=1) for d, b, ips in ((1, 8, 100), (2, 8, 250), (1, 16, 100), (2, 16, 150))]
+    add_speedup(rows)
+    assert plot(rows, tmp_path / "scale.png") == [(2, 8)]
+    assert (tmp_path / "scale.png").stat().st_size > 1000

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import sys
+from typing import TYPE_CHECKING, Any
 
 from gputrain.hooks.base import Hook
 from gputrain.resume import save_checkpoint
@@ -12,7 +13,11 @@ if TYPE_CHECKING:
 
 
 class CheckpointHook(Hook):
-    """Saving itself (finiteness agreed by all ranks, atomic write, rotation) lives in :mod:`gputrain.resume`."""
+    """Saving itself (finiteness agreed by all ranks, atomic write, rotation) lives in :mod:`gputrain.resume`.
+
+    With ``trainer.async_checkpoint`` a save returns while a thread writes it; this hook waits for that
+    thread when training ends, normally or not, so ``fit`` never returns with a checkpoint half written.
+    """
 
     def __init__(self, every_n_epochs: int) -> None:
         self.every_n_epochs = every_n_epochs
@@ -21,3 +26,15 @@ class CheckpointHook(Hook):
         epoch = trainer.state.epoch
         numbered = self.every_n_epochs > 0 and epoch % self.every_n_epochs == 0
         save_checkpoint(trainer, f"epoch_{epoch:04d}" if numbered else "", metrics)
+
+    def after_fit(self, trainer: Trainer, summary: dict[str, Any]) -> None:
+        if trainer.checkpoint_writer is not None:
+            trainer.checkpoint_writer.wait()  # a failed last save fails the run, in one line
+
+    def on_exception(self, trainer: Trainer, error: BaseException) -> None:
+        if trainer.checkpoint_writer is None:
+            return
+        try:
+            trainer.checkpoint_writer.wait()  # finish the save in flight: it is the one a resume starts from
+        except Exception as failed:  # noqa: BLE001  (the run's own error is the one to raise)
+            print(f"gputrain: error: {failed}", file=sys.stderr, flush=True)

@@ -44,6 +44,9 @@ class MetricLogger:
     def log(self, metrics: dict[str, float], *, step: int, epoch: int) -> None:
         raise NotImplementedError
 
+    def log_image(self, name: str, image: Any, *, step: int) -> None:
+        """An ``(H, W, 3)`` uint8 picture; loggers that show no images ignore it."""
+
     def close(self) -> None:
         pass
 
@@ -104,6 +107,9 @@ class TensorBoardLogger(MetricLogger):
         for key, value in metrics.items():
             self.writer.add_scalar(key, value, global_step=step)
 
+    def log_image(self, name: str, image: Any, *, step: int) -> None:
+        self.writer.add_image(name, image, global_step=step, dataformats="HWC")
+
     def close(self) -> None:
         self.writer.close()
 
@@ -121,6 +127,11 @@ class WandbLogger(MetricLogger):
 
     def log(self, metrics: dict[str, float], *, step: int, epoch: int) -> None:
         self.run.log({**metrics, "epoch": epoch}, step=step)
+
+    def log_image(self, name: str, image: Any, *, step: int) -> None:
+        import wandb
+
+        self.run.log({name: wandb.Image(image)}, step=step)
 
     def close(self) -> None:
         self.run.finish()
@@ -173,6 +184,12 @@ class LoggingHook(Hook):
 
     def after_epoch(self, trainer: Trainer, metrics: dict[str, float]) -> None:
         self._log(trainer, metrics)
+        if any(n in LOGGER_PACKAGES for n in self.names) and any(k.startswith("val/") for k in metrics):
+            from gputrain.hooks.pictures import samples_image
+
+            image = samples_image(trainer)  # every rank runs the sample forwards; rank 0 gets the grid
+            for logger in self.loggers if image is not None else []:
+                logger.log_image("val/samples", image, step=trainer.state.global_step)
 
     def after_fit(self, trainer: Trainer, summary: dict[str, Any]) -> None:
         for logger in self.loggers:

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+import torchvision.transforms.v2.functional as TF
 
 from gputrain.config import RunConfig
 from gputrain.data.imagefolder import ImageFiles, list_images
 from gputrain.data.images import seeded_split
 from gputrain.models import build_configured_model
 from gputrain.tasks.base import Task
+from gputrain.tasks.draw import side_by_side
 from gputrain.tasks.spec import TaskSpec
 
 
@@ -23,6 +26,32 @@ class ReconstructionTask(Task):
 
     def split_batch(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
         return batch, batch
+
+    def prediction(self, output: Any, size: tuple[int, int]) -> torch.Tensor:
+        """The reconstruction as a ``uint8`` picture."""
+        return self.display(output)
+
+    def draw(self, image: torch.Tensor, output: Any, target: Any = None) -> tuple[torch.Tensor, str]:
+        picture = output if output.dtype == torch.uint8 else self.display(output)
+        if picture.shape[-2:] != image.shape[-2:]:  # data.image_size resized the input
+            image = TF.resize(image, list(picture.shape[-2:]), antialias=True)
+        return side_by_side(image, picture), "input | reconstruction"
+
+
+def eval_preprocess(cfg: RunConfig) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A ``uint8`` image as the model reads it (what :class:`~gputrain.data.imagefolder.ImageFiles` does)."""
+    size = cfg.data.image_size
+
+    def preprocess(image: torch.Tensor) -> torch.Tensor:
+        if size:
+            image = TF.resize(image, [size, size], antialias=True)
+        return image.float().div_(255)
+    return preprocess
+
+
+def for_prediction(cfg: RunConfig, *, annotations: str = "") -> tuple[Task, Callable[[torch.Tensor], Any]]:
+    """The task and input preprocessing ``gputrain predict`` uses."""
+    return ReconstructionTask(), eval_preprocess(cfg)
 
 
 def build(cfg: RunConfig) -> TaskSpec:

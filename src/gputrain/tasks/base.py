@@ -50,3 +50,24 @@ class Task:
 
     def evaluator(self) -> Evaluator:
         return MeanLoss()
+
+    # -- pictures (gputrain predict, samples.png): rank 0 alone, after evaluation --------------
+    class_names: list[str] | None = None
+    """Names of the model's classes by index, where the task has classes (None: show indices)."""
+
+    def display(self, inputs: torch.Tensor) -> torch.Tensor:
+        """One model input ``(3, H, W)`` as a ``uint8`` picture; the default takes it as floats in [0, 1]."""
+        return (inputs.detach().float().cpu().clamp(0, 1) * 255).round().to(torch.uint8)
+
+    def prediction(self, output: Any, size: tuple[int, int]) -> Any:
+        """What ``gputrain predict`` keeps of one image's eval output (the image is ``size`` = (H, W)):
+        on the CPU and small, since it is gathered to rank 0; :meth:`draw` must accept it too."""
+        return output.detach().cpu() if isinstance(output, torch.Tensor) else output
+
+    def draw(self, image: torch.Tensor, output: Any, target: Any = None) -> tuple[torch.Tensor, str]:
+        """One prediction drawn on its ``uint8 (3, H, W)`` image, and a caption (what a grid cell shows).
+
+        ``output`` is the model's output for this one image (eval mode), ``target`` its label or None.
+        The default shows the image alone; each built-in task draws its own kind of prediction.
+        """
+        return image, ""

@@ -2,33 +2,91 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
 import torch.nn.functional as F
 from torchvision.transforms import v2
 
 from gputrain.config import RunConfig
-from gputrain.data.images import normalize_transform
+from gputrain.data.images import IMAGENET_MEAN, IMAGENET_STD, normalize_transform
 from gputrain.metrics.base import Evaluator
 from gputrain.metrics.classification import ClassificationEvaluator
 from gputrain.models import build_configured_model
 from gputrain.tasks.base import Task
+from gputrain.tasks.draw import denormalize, name_of
 from gputrain.tasks.spec import TaskSpec
 
 CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
 
 
 class ClassificationTask(Task):
-    def __init__(self, num_classes: int) -> None:
+    def __init__(self, num_classes: int, *, class_names: list[str] | None = None,
+                 mean: tuple[float, ...] = IMAGENET_MEAN, std: tuple[float, ...] = IMAGENET_STD) -> None:
         super().__init__(F.cross_entropy)
-        self.num_classes = num_classes
+        self.num_classes, self.class_names, self.mean, self.std = num_classes, class_names, mean, std
 
     def evaluator(self) -> Evaluator:
         return ClassificationEvaluator(self.num_classes)
+
+    def display(self, inputs: torch.Tensor) -> torch.Tensor:
+        return denormalize(inputs, self.mean, self.std)
+
+    def prediction(self, output: Any, size: tuple[int, int]) -> dict[str, torch.Tensor]:
+        """The top 5 classes (fewer where there are fewer) and their probabilities."""
+        top = output.detach().float().softmax(-1).topk(min(5, output.numel()))
+        return {"labels": top.indices.cpu(), "scores": top.values.cpu()}
+
+    def draw(self, image: torch.Tensor, output: Any, target: Any = None) -> tuple[torch.Tensor, str]:
+        if not isinstance(output, dict):
+            output = self.prediction(output, (int(image.shape[-2]), int(image.shape[-1])))
+        prob, label = output["scores"][0], output["labels"][0]
+        caption = f"{name_of(self.class_names, int(label))} {float(prob):.2f}"
+        if target is not None:
+            caption += f" (true: {name_of(self.class_names, int(target))})"
+        return image, caption
+
+
+def _stats(cfg: RunConfig) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    return (CIFAR_MEAN, CIFAR_STD) if cfg.data.format == "cifar10" else (IMAGENET_MEAN, IMAGENET_STD)
+
+
+def eval_preprocess(cfg: RunConfig) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The evaluation preprocessing of a ``uint8 (3, H, W)`` image: validation data and ``gputrain predict`` alike."""
+    if cfg.data.format == "cifar10":
+        return normalize_transform(CIFAR_MEAN, CIFAR_STD)  # type: ignore[return-value]
+    from gputrain.data.classfolder import classification_transform
+
+    return classification_transform(cfg.data.image_size or 224, train=False)
+
+
+def _class_names(cfg: RunConfig) -> list[str] | None:
+    """Class names without reading the data set: CIFAR-10's, or a class folder's sub-folder names."""
+    if cfg.data.format == "cifar10":
+        from gputrain.data.cifar10 import LABEL_NAMES
+
+        return list(LABEL_NAMES)
+    from torchvision.datasets.folder import find_classes
+
+    try:
+        return find_classes(cfg.data.root)[0] if Path(cfg.data.root).is_dir() else None
+    except FileNotFoundError:  # a folder without class sub-folders
+        return None
+
+
+def for_prediction(cfg: RunConfig, *, annotations: str = "") -> tuple[Task, Callable[[torch.Tensor], Any]]:
+    """The task and input preprocessing ``gputrain predict`` uses: those of evaluation, without the data set."""
+    num_classes = int(cfg.model.kwargs.get("num_classes") or cfg.data.num_classes or 1000)
+    mean, std = _stats(cfg)
+    return ClassificationTask(num_classes, class_names=_class_names(cfg), mean=mean, std=std), eval_preprocess(cfg)
 
 
 def _cifar10(cfg: RunConfig) -> tuple:
     from gputrain.data.cifar10 import CIFAR10
 
-    normalize = normalize_transform(CIFAR_MEAN, CIFAR_STD)
+    normalize = eval_preprocess(cfg)
     train_tf = v2.Compose([v2.RandomCrop(32, padding=4), v2.RandomHorizontalFlip(), normalize]) if cfg.data.augment \
         else normalize
     return CIFAR10(cfg.data.root, train=True, transform=train_tf), CIFAR10(cfg.data.root, train=False, transform=normalize), 10
@@ -39,7 +97,7 @@ def _classfolder(cfg: RunConfig) -> tuple:
 
     size = cfg.data.image_size or 224
     train_tf = classification_transform(size, train=cfg.data.augment)
-    val_tf = classification_transform(size, train=False)
+    val_tf = eval_preprocess(cfg)
     if cfg.data.val_root:
         train, val = ClassFolder(cfg.data.root, transform=train_tf), ClassFolder(cfg.data.val_root, transform=val_tf)
         classes = train.classes
@@ -61,5 +119,7 @@ def build(cfg: RunConfig) -> TaskSpec:
     if num_classes != found:
         raise ValueError(f"data.num_classes={num_classes} but {cfg.data.root} has {found} classes; set it to {found}")
     model = build_configured_model(cfg.model, "resnet18", num_classes=num_classes)
-    return TaskSpec(task=ClassificationTask(num_classes), model=model, train_data=train, val_data=val,
+    mean, std = _stats(cfg)
+    task = ClassificationTask(num_classes, class_names=_class_names(cfg), mean=mean, std=std)
+    return TaskSpec(task=task, model=model, train_data=train, val_data=val,
                     example_input=val[0][0].unsqueeze(0))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
 
@@ -10,11 +11,12 @@ import torch.distributed as dist
 from torch import nn
 
 from gputrain.config import RunConfig
-from gputrain.data.coco import COCODetection, detection_collate, split_coco
+from gputrain.data.coco import COCODetection, detection_collate, load_coco, split_coco
 from gputrain.metrics.base import Evaluator
 from gputrain.metrics.detection import CocoEvaluator
 from gputrain.models import build_configured_model
 from gputrain.tasks.base import Task
+from gputrain.tasks.draw import SCORE_THRESHOLD, draw_detections
 from gputrain.tasks.spec import TaskSpec
 
 
@@ -23,9 +25,26 @@ class DetectionTask(Task):
 
     targets_to_model = True
 
-    def __init__(self, val_annotations: Path, label_to_category: dict[int, int]) -> None:
+    def __init__(self, val_annotations: Path, label_to_category: dict[int, int], *,
+                 class_names: list[str] | None = None, image_ids: dict[str, int] | None = None) -> None:
         super().__init__()
         self.val_annotations, self.label_to_category = val_annotations, label_to_category
+        self.class_names = class_names
+        """By model label: ``background`` then the categories in increasing id order."""
+        self.image_ids = image_ids or {}
+        """``file_name`` -> image id of the annotation file (``gputrain predict`` writes these ids)."""
+
+    def prediction(self, output: Any, size: tuple[int, int]) -> dict[str, torch.Tensor]:
+        """The detections on the CPU, masks as booleans (what COCO results and overlays threshold at 0.5)."""
+        kept = {k: v.detach().cpu() for k, v in output.items() if k != "masks"}
+        if "masks" in output:
+            kept["masks"] = output["masks"].detach().cpu() > 0.5
+        return kept
+
+    def draw(self, image: torch.Tensor, output: Any, target: Any = None) -> tuple[torch.Tensor, str]:
+        found = int((output["scores"] >= SCORE_THRESHOLD).sum())
+        caption = f"{found} found" + (f" of {len(target['labels'])}" if target is not None else "")
+        return draw_detections(image, output, self.class_names), caption
 
     def collate_fn(self):  # noqa: ANN201
         return detection_collate
@@ -64,6 +83,39 @@ def _annotation_files(cfg: RunConfig) -> tuple[Path, Path, Path, Path]:
         split_dir / f"{annotations.stem}_val.json"
 
 
+def annotation_file(cfg: RunConfig, given: str = "") -> Path:
+    """The COCO file whose ids and categories predictions use: ``given``, ``data.annotations`` or the default."""
+    return Path(given or cfg.data.annotations or Path(cfg.data.root) / "annotations" / "instances.json")
+
+
+def for_prediction(cfg: RunConfig, *, annotations: str = "") -> tuple[Task, Callable[[torch.Tensor], Any]]:
+    """The task ``gputrain predict`` uses, with the annotation file's categories and image ids when it exists.
+
+    Without one (the data set is not on this machine), labels are written as category ids and images
+    are numbered from 1; an ``--annotations`` file that is missing is an error.
+    """
+    path = annotation_file(cfg, annotations)
+    if annotations and not path.is_file():
+        raise FileNotFoundError(f"--annotations {path} does not exist; give the COCO json of the images' data set")
+    num_labels = int(cfg.model.kwargs.get("num_classes") or cfg.data.num_classes or 2) - 1
+    label_to_category, names, ids = {k: k for k in range(1, num_labels + 1)}, None, {}
+    if path.is_file():
+        coco = load_coco(path)
+        categories = sorted(coco.getCatIds())
+        label_to_category = {i + 1: c for i, c in enumerate(categories)}
+        names = ["background", *(str(coco.cats[c].get("name", c)) for c in categories)]
+        ids = {str(im["file_name"]): int(im["id"]) for im in coco.imgs.values()}
+    return DetectionTask(path, label_to_category, class_names=names, image_ids=ids), eval_preprocess
+
+
+def eval_preprocess(image: torch.Tensor) -> torch.Tensor:
+    """A ``uint8`` image as :class:`~gputrain.data.coco.COCODetection` hands it to the model: floats in [0, 1].
+
+    Resizing and normalization are the model's own (torchvision's ``GeneralizedRCNNTransform``).
+    """
+    return image.float().div(255)
+
+
 def build(cfg: RunConfig) -> TaskSpec:
     train_images, train_json, val_images, val_json = _annotation_files(cfg)
     train = COCODetection(train_images, train_json, train=True)
@@ -75,5 +127,6 @@ def build(cfg: RunConfig) -> TaskSpec:
         raise ValueError(f"data.num_classes={cfg.data.num_classes} but {train_json} has {num_classes - 1} categories "
                          f"(+1 background = {num_classes}); set data.num_classes={num_classes} or 0")
     model = build_configured_model(cfg.model, "maskrcnn_resnet50_fpn", num_classes=num_classes)
-    return TaskSpec(task=DetectionTask(val_json, train.label_to_category), model=model, train_data=train,
+    task = DetectionTask(val_json, train.label_to_category, class_names=train.class_names)
+    return TaskSpec(task=task, model=model, train_data=train,
                     val_data=val)

@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 import torch.nn.functional as F
+from torchvision import tv_tensors
 
 from gputrain.config import RunConfig
 from gputrain.data.ade20k import ADE20K, IGNORE_INDEX, segmentation_transform
+from gputrain.data.images import IMAGENET_MEAN, IMAGENET_STD
 from gputrain.metrics.base import Evaluator
 from gputrain.metrics.segmentation import SegmentationEvaluator
 from gputrain.models import build_configured_model
 from gputrain.tasks.base import Task
+from gputrain.tasks.draw import denormalize, overlay_labels, side_by_side
 from gputrain.tasks.spec import TaskSpec
 
 
@@ -27,6 +33,40 @@ class SegmentationTask(Task):
     def evaluator(self) -> Evaluator:
         return SegmentationEvaluator(self.num_classes, ignore_index=self.ignore_index)
 
+    def display(self, inputs: torch.Tensor) -> torch.Tensor:
+        return denormalize(inputs, IMAGENET_MEAN, IMAGENET_STD)
+
+    def prediction(self, output: Any, size: tuple[int, int]) -> torch.Tensor:
+        """Classes per pixel ``(H, W)`` at the image's size: logits are resized bilinearly first where they differ."""
+        logits = (output["out"] if isinstance(output, dict) else output).detach().float()
+        if tuple(logits.shape[-2:]) != tuple(size):
+            logits = F.interpolate(logits[None], size=size, mode="bilinear", align_corners=False)[0]
+        return logits.argmax(0).to(torch.uint8).cpu()
+
+    def draw(self, image: torch.Tensor, output: Any, target: Any = None) -> tuple[torch.Tensor, str]:
+        """The predicted classes over the image; with a target, the true classes to its left."""
+        labels = output if isinstance(output, torch.Tensor) and output.dim() == 2 else self.prediction(output, (int(image.shape[-2]), int(image.shape[-1])))
+        predicted = overlay_labels(image, labels.long(), self.num_classes)
+        if target is None:
+            return predicted, "prediction"
+        return side_by_side(overlay_labels(image, target.cpu(), self.num_classes), predicted), "truth | prediction"
+
+
+def eval_preprocess(cfg: RunConfig, *, whole_image: bool = False) -> Callable[..., Any]:
+    """Evaluation preprocessing, applied jointly to ``(Image, Mask)`` or to an ``Image`` alone.
+
+    ``whole_image`` (``gputrain predict``) keeps the image's shape: no centre crop, which would cut
+    the picture to be labelled; with ``data.image_size=0`` (exact full-resolution evaluation) the two agree.
+    """
+    return segmentation_transform(None if whole_image else (cfg.data.image_size or None), train=False)
+
+
+def for_prediction(cfg: RunConfig, *, annotations: str = "") -> tuple[Task, Callable[[torch.Tensor], Any]]:
+    """The task and input preprocessing ``gputrain predict`` uses: those of evaluation, without the data set."""
+    transform = eval_preprocess(cfg, whole_image=True)
+    task = SegmentationTask(int(cfg.model.kwargs.get("num_classes") or cfg.data.num_classes or 150))
+    return task, lambda image: transform(tv_tensors.Image(image)).as_subclass(torch.Tensor)
+
 
 def build(cfg: RunConfig) -> TaskSpec:
     num_classes = cfg.data.num_classes or 150
@@ -34,7 +74,7 @@ def build(cfg: RunConfig) -> TaskSpec:
     train = ADE20K(cfg.data.root, split="training", num_classes=num_classes,
                    transform=segmentation_transform(crop, train=cfg.data.augment))
     val = ADE20K(cfg.data.val_root or cfg.data.root, split="validation", num_classes=num_classes,
-                 transform=segmentation_transform(crop, train=False))
+                 transform=eval_preprocess(cfg))
     model = build_configured_model(cfg.model, "deeplabv3plus", num_classes=num_classes)
     return TaskSpec(task=SegmentationTask(num_classes), model=model, train_data=train, val_data=val,
                     example_input=val[0][0].unsqueeze(0))

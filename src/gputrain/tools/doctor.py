@@ -189,31 +189,11 @@ def cmd_doctor(args: argparse.Namespace, argv: Sequence[str] | None = None) -> i
     return 1 if report.failed else 0
 
 
-def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Register ``gputrain doctor`` on the CLI's sub-parsers."""
-    p = subparsers.add_parser("doctor", help="dry-run a recipe on real ranks and report distributed mistakes")
-    p.add_argument("recipe", help="built-in recipe or a YAML file (its task may name package.module:function)")
-    p.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. trainer.batch_size=8")
-    p.add_argument("--devices", type=int, default=None, help="ranks of the dry run (default: the recipe's, at least 2)")
-    p.add_argument("--steps", type=int, default=3, help="optimizer steps per epoch; the dry run has 2 epochs")
-    p.add_argument("--timeout", type=float, default=60.0, help="seconds a collective may wait before the run is "
-                                                               "declared hung")
-    p.add_argument("--json", action="store_true", help="machine-readable report")
-    p.set_defaults(func=cmd_doctor)
-    return p
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m gputrain.tools.doctor RECIPE [...]``."""
-    parser = argparse.ArgumentParser(prog="gputrain")
-    add_parser(parser.add_subparsers(dest="command", required=True))
-    args, extra = parser.parse_known_args(["doctor", *(sys.argv[1:] if argv is None else argv)])
-    args.overrides = list(args.overrides) + [x for x in extra if "=" in x and not x.startswith("-")]
-    try:
-        return int(args.func(args, argv))
-    except (ValueError, FileNotFoundError) as err:
-        print(f"gputrain: error: {err}", file=sys.stderr)
-        return 2
+    """``python -m gputrain.tools.doctor ...``: the same as ``gputrain doctor ...`` (flags: gputrain.cli_parser)."""
+    from gputrain.cli import main as cli_main
+
+    return cli_main(["doctor", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

@@ -290,6 +290,10 @@ def analyse(cfg: RunConfig, outcomes: list[RankOutcome], *, world_size: int, acc
             wall_s: float, recipe: str = "") -> DoctorReport:
     steps_done = max((len([r for r in o.records if r.get("kind") == "step"]) for o in outcomes), default=0)
     workers = cfg.data.num_workers
+    if not isinstance(workers, int):  # data.num_workers=auto: the count the ranks resolved on this node
+        from gputrain.data.workers import resolve_num_workers, usable_cores
+
+        workers = resolve_num_workers(workers, cores=usable_cores(), local_processes=world_size)
     findings = [check_run(outcomes, steps_done, wall_s), check_unused(outcomes, cfg),
                 *check_batchnorm(outcomes, world_size), *check_shapes(outcomes), check_eval_sampler(outcomes),
                 check_epoch_order(outcomes), *check_writes(outcomes), check_input(outcomes, workers),

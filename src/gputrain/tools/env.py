@@ -180,20 +180,11 @@ def cmd_env(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Register ``gputrain env`` on the CLI's sub-parsers."""
-    p = subparsers.add_parser("env", help="versions, devices, topology, distributed variables and backends")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.set_defaults(func=cmd_env)
-    return p
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m gputrain.tools.env [--json]``: the sub-command without the rest of the CLI."""
-    parser = argparse.ArgumentParser(prog="gputrain")
-    add_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["env", *(sys.argv[1:] if argv is None else argv)])
-    return int(args.func(args, argv))
+    """``python -m gputrain.tools.env ...``: the same as ``gputrain env ...`` (flags: gputrain.cli_parser)."""
+    from gputrain.cli import main as cli_main
+
+    return cli_main(["env", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

@@ -30,10 +30,17 @@ def check_export_packages() -> None:
         require(module, "gputrain export onnx")
 
 
-def model_from_checkpoint(path: str | Path, overrides: Sequence[str] = ()) -> tuple[nn.Module, RunConfig]:
-    """Rebuild the model a checkpoint was trained with (from its saved config) and load its weights."""
+def model_from_checkpoint(path: str | Path, overrides: Sequence[str] = (),
+                          recipe: str | None = None) -> tuple[nn.Module, RunConfig]:
+    """Rebuild the model a checkpoint was trained with (from its saved config) and load its weights.
+
+    ``recipe`` is needed only for a checkpoint without a saved config; one of another task or model
+    is ignored with a printed line (never merged into the checkpoint's model).
+    """
     state = load_checkpoint(path)
-    cfg, _ = config_from_checkpoint(state, path, recipe=None, overrides=list(overrides), command="export")
+    cfg, note = config_from_checkpoint(state, path, recipe=recipe, overrides=list(overrides), command="export")
+    if note:
+        print(note, flush=True)
     if cfg.task == "detection":
         raise ValueError(
             f"{path} is a detection model; `gputrain export onnx` exports models that map one image batch to one "
@@ -91,10 +98,10 @@ def _export(model: nn.Module, example: torch.Tensor, out: str | Path, opset: int
 
 
 def export_onnx(checkpoint: str | Path, out: str | Path, *, input_shape: Sequence[int] | None = None,
-                opset: int = 18, overrides: Sequence[str] = ()) -> float:
+                opset: int = 18, overrides: Sequence[str] = (), recipe: str | None = None) -> float:
     """Export a checkpoint's model to ``out``; returns max |onnxruntime - PyTorch| on a sample input."""
     check_export_packages()
-    model, cfg = model_from_checkpoint(checkpoint, overrides)
+    model, cfg = model_from_checkpoint(checkpoint, overrides, recipe)
     return _export(model, _example(cfg, input_shape), out, opset)
 
 

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from gputrain.config import RunConfig, load_config
+from gputrain.config import RunConfig, load_config, to_dict
 
 PYTHON_TASK = "custom"
 """``task`` saved by runs of the Python API (``Trainer(...).fit(model, ...)``); ``model.name`` is the class."""
@@ -66,12 +66,24 @@ def _as_layer(saved: dict[str, Any]) -> dict[str, Any]:
     return layer
 
 
+HOW_TO_RUN = ("trainer", "launch", "parallel")
+"""Config sections a recipe given to ``eval`` contributes, whole; task, model and data are the checkpoint's."""
+
+
+def trained_as(saved: dict[str, Any]) -> str:
+    """``task=... model.name=...`` of a saved config, as a user would pass them."""
+    return f"task={saved.get('task')} model.name={(saved.get('model') or {}).get('name') or '(default)'}"
+
+
 def config_from_checkpoint(state: dict[str, Any], path: str | Path, *, recipe: str | None, overrides: list[str],
                            command: str = "eval") -> tuple[RunConfig, str]:
     """The config to evaluate or export a checkpoint with, and a note to print (or "").
 
-    Without a recipe: the saved config, then ``overrides``. With one: the recipe says how to run
-    (trainer, launch), the checkpoint says what it is (task, model, data), then ``overrides``.
+    Without a recipe: the saved config, then ``overrides``. With one that trains the same task and
+    model: the recipe's sections in :data:`HOW_TO_RUN` say how to run, the checkpoint's task, model
+    and data say what it is (whole sections: a recipe's ``model.kwargs`` never reach another's
+    checkpoint), then ``overrides``. With a recipe of another task or model: the recipe is ignored,
+    and the note says so and what the checkpoint was trained as.
     """
     saved = saved_config(state)
     if saved is None:
@@ -83,14 +95,14 @@ def config_from_checkpoint(state: dict[str, Any], path: str | Path, *, recipe: s
         raise ValueError(python_run_message(path, saved, command))
     if not recipe:
         return load_config(None, overrides, layers=[_as_layer(saved)]), ""
-    trained: dict[str, Any] = {k: saved[k] for k in ("task", "model", "data") if k in saved}
-    cfg = load_config(recipe, overrides, layers=[trained])
     plain = load_config(recipe)
-    note = ""
-    if (plain.task, plain.model.name or cfg.model.name) != (cfg.task, cfg.model.name):
-        note = (f"gputrain: {path} was trained with task={cfg.task} model.name={cfg.model.name}, not the recipe's "
-                f"task={plain.task} model.name={plain.model.name or '(default)'}; evaluating it as trained")
-    return cfg, note
+    recipe_trains = trained_as({"task": plain.task, "model": {"name": plain.model.name}})
+    if recipe_trains != trained_as(saved):
+        note = (f"gputrain: {command} ignores recipe {recipe} ({recipe_trains}): {path} was trained as "
+                f"{trained_as(saved)}, so it is used with the config saved in it; drop the recipe to silence this")
+        return load_config(None, overrides, layers=[_as_layer(saved)]), note
+    how = {k: v for k, v in to_dict(plain).items() if k in HOW_TO_RUN}
+    return load_config(None, overrides, layers=[_as_layer(saved), how]), ""
 
 
 def _shape(t: torch.Tensor) -> str:

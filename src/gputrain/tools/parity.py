@@ -280,39 +280,11 @@ def cmd_parity(args: argparse.Namespace, argv: Sequence[str] | None = None) -> i
     return 1 if report.failed else 0
 
 
-def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Register ``gputrain parity`` on the CLI's sub-parsers."""
-    p = subparsers.add_parser("parity", help="train a few steps in several modes and compare losses and weights")
-    p.add_argument("recipe", help="built-in recipe or a YAML file (its task may name package.module:function)")
-    p.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. trainer.sync_batchnorm=true")
-    p.add_argument("--modes", type=lambda s: [x for x in s.split(",") if x], default=list(MODES),
-                   help=f"comma-separated, from {','.join(MODES)} (default: all)")
-    p.add_argument("--global-batch", type=int, default=None, help="samples per optimizer step (default: "
-                                                                   "trainer.batch_size); even")
-    p.add_argument("--steps", type=int, default=2, help="optimizer steps per epoch")
-    p.add_argument("--epochs", type=int, default=2, help="epochs (2 crosses an epoch boundary)")
-    p.add_argument("--tol", type=float, default=1e-5, help="largest allowed |loss| and |weight| difference")
-    p.add_argument("--timeout", type=float, default=60.0, help="seconds a collective may wait (a hung mode fails)")
-    p.add_argument("--dtype", choices=list(DTYPES), default="float64",
-                   help="float64 (default) compares the arithmetic without rounding noise; float32 as trained")
-    p.add_argument("--json", action="store_true", help="machine-readable report")
-    p.set_defaults(func=cmd_parity)
-    return p
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m gputrain.tools.parity RECIPE [...]``."""
-    parser = argparse.ArgumentParser(prog="gputrain")
-    add_parser(parser.add_subparsers(dest="command", required=True))
-    args, extra = parser.parse_known_args(["parity", *(sys.argv[1:] if argv is None else argv)])
-    args.overrides = list(args.overrides) + [x for x in extra if "=" in x and not x.startswith("-")]
-    if "" not in sys.path:
-        sys.path.insert(0, "")
-    try:
-        return int(args.func(args, argv))
-    except (ValueError, FileNotFoundError) as err:
-        print(f"gputrain: error: {err}", file=sys.stderr)
-        return 2
+    """``python -m gputrain.tools.parity ...``: the same as ``gputrain parity ...`` (flags: gputrain.cli_parser)."""
+    from gputrain.cli import main as cli_main
+
+    return cli_main(["parity", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

@@ -3,15 +3,20 @@
 Each combination is a separate ``gputrain train`` job, so start-up (imports, torchrun) is
 measured and reported apart from training. Throughput comes from the epochs after the first
 (warm-up excluded when there is more than one), speedup is against 1 device at the same
-per-device batch, and efficiency is speedup divided by the device count.
+per-device batch, and efficiency is speedup divided by the device count. Every run gets the same
+threads per process (``OMP_NUM_THREADS``), stated in the table: otherwise the 1-process run would
+use all cores' threads and N processes a share each (torchrun's default), and the speedups would
+measure thread counts.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -32,6 +37,40 @@ class ScaleRow:
     efficiency: float = float("nan")
     caution: str = ""
     """Set when the figures cannot be right (efficiency above 1): the machine was busy during a run."""
+    threads: int = 0
+    """Threads per process (``OMP_NUM_THREADS``) the run had; the same in every row of one benchmark."""
+
+
+def available_cores() -> int:
+    """Cores this process may run on (its affinity mask, e.g. a container's share), else all of them."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def threads_per_process(devices: Sequence[int], *, cores: int, env: Mapping[str, str]) -> int:
+    """One thread count for every row: ``OMP_NUM_THREADS`` when set, else the cores over the largest device count.
+
+    Giving each run its own share (all cores to 1 process, half to each of 2) would make N
+    processes look up to N times faster per thread than they are, on a busy machine more.
+    """
+    given = env.get("OMP_NUM_THREADS", "").strip()
+    if given:
+        if not given.isdigit() or int(given) < 1:
+            raise ValueError(f"OMP_NUM_THREADS={given!r} must be a whole number of threads, at least 1; unset it "
+                             "to let bench scale share the cores among the largest --devices")
+        return int(given)
+    return max(1, cores // max(devices))
+
+
+def run_command(recipe: str, devices: int, batch_size: int, *, epochs: int, out: Path, accelerator: str,
+                threads: int, overrides: Sequence[str]) -> tuple[list[str], dict[str, str]]:
+    """The ``gputrain train`` job of one row and its environment (the same threads for every row)."""
+    cmd = [sys.executable, "-m", "gputrain", "train", recipe, f"--devices={devices}", f"--batch-size={batch_size}",
+           f"--epochs={epochs}", f"--out={out}", f"--accelerator={accelerator}",
+           "trainer.progress_bar=false", "trainer.checkpoint_every_n_epochs=0", "trainer.loggers=[]", *overrides]
+    return cmd, {**os.environ, "OMP_NUM_THREADS": str(threads)}
 
 
 def steady_throughput(metrics_path: Path) -> float:
@@ -67,21 +106,23 @@ def mark(row: ScaleRow) -> str:
 
 def markdown_table(rows: list[ScaleRow]) -> str:
     lines = [
-        "| devices | batch size (per device) | iters per epoch (train + val) | total training time | start-up "
-        "| images/s | speedup | efficiency |",
-        "|---|---|---|---|---|---|---|---|",
+        "| devices | threads per process | batch size (per device) | iters per epoch (train + val) "
+        "| total training time | start-up | images/s | speedup | efficiency |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {r.devices} | {r.batch_size} | {r.iters_per_epoch} | {r.train_time_s:.1f} s | {r.startup_s:.1f} s "
-            f"| {r.images_per_s:.0f} | {r.speedup:.2f}{mark(r)} | {r.efficiency:.2f}{mark(r)} |"
+            f"| {r.devices} | {r.threads} | {r.batch_size} | {r.iters_per_epoch} | {r.train_time_s:.1f} s "
+            f"| {r.startup_s:.1f} s | {r.images_per_s:.0f} | {r.speedup:.2f}{mark(r)} | {r.efficiency:.2f}{mark(r)} |"
         )
     if any(r.caution for r in rows):
         lines.append("\n(!) efficiency above 1 is not possible: the machine was busy during a run; rerun on a quiet machine")
     return "\n".join(lines)
 
 
-def plot(rows: list[ScaleRow], path: Path) -> None:
+def plot(rows: list[ScaleRow], path: Path) -> list[tuple[int, int]]:
+    """Images/s against devices, one line per batch size; impossible points (``caution``) are marked (!) as in the
+    table. Returns the marked points as (devices, batch size)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -93,14 +134,22 @@ def plot(rows: list[ScaleRow], path: Path) -> None:
         ax.plot([r.devices for r in sel], [r.images_per_s for r in sel], "o-", label=f"batch {b}/device")
         if sel and sel[0].devices == 1:
             ax.plot([r.devices for r in sel], [sel[0].images_per_s * r.devices for r in sel], ":", color="grey")
+    odd = [r for r in rows if r.caution]
+    if odd:
+        ax.scatter([r.devices for r in odd], [r.images_per_s for r in odd], s=120, facecolors="none",
+                   edgecolors="red", zorder=3, label="(!) impossible: busy machine, rerun")
+        for r in odd:
+            ax.annotate("(!)", (r.devices, r.images_per_s), textcoords="offset points", xytext=(6, 6), color="red")
+    threads = sorted({r.threads for r in rows})
     ax.set_xticks(sorted({r.devices for r in rows}))
     ax.set_xlabel("devices")
     ax.set_ylabel("training images/s")
-    ax.set_title("scaling (dotted: linear)")
+    ax.set_title(f"scaling, {'/'.join(map(str, threads))} threads per process (dotted: linear)")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+    return [(r.devices, r.batch_size) for r in odd]
 
 
 def _error_line(stderr: str) -> str:
@@ -142,17 +191,17 @@ def scale_bench(recipe: str, *, devices: list[int], batch_sizes: list[int], out:
     can_plot = installed("matplotlib")
     if not can_plot:
         print(f"gputrain: matplotlib is not installed, so scale.png is skipped; {install_hint('matplotlib')}", flush=True)
+    threads = threads_per_process(devices, cores=available_cores(), env=os.environ)
     out = _out_folder(out, overwrite)
+    print(f"bench scale: every run has {threads} threads per process (OMP_NUM_THREADS={threads})", flush=True)
     rows: list[ScaleRow] = []
     for d in devices:
         for b in batch_sizes:
             run = out / f"devices{d}_batch{b}"
-            cmd = [sys.executable, "-m", "gputrain", "train", recipe, f"--devices={d}", f"--batch-size={b}",
-                   f"--epochs={epochs}", f"--out={run}", f"--accelerator={accelerator}",
-                   "trainer.progress_bar=false", "trainer.checkpoint_every_n_epochs=0", "trainer.loggers=[]",
-                   *overrides]
+            cmd, env = run_command(recipe, d, b, epochs=epochs, out=run, accelerator=accelerator, threads=threads,
+                                   overrides=overrides)
             start = time.perf_counter()
-            done = subprocess.run(cmd, capture_output=True, text=True)
+            done = subprocess.run(cmd, capture_output=True, text=True, env=env)
             wall = time.perf_counter() - start
             if done.returncode != 0:
                 raise ValueError(f"bench scale: the run with --devices {d} --batch-size {b} failed (exit "
@@ -161,7 +210,7 @@ def scale_bench(recipe: str, *, devices: list[int], batch_sizes: list[int], out:
             rows.append(ScaleRow(
                 devices=d, batch_size=b, iters_per_epoch=summary["iters_per_epoch"]["total"],
                 train_time_s=summary["wall_s"], startup_s=wall - summary["wall_s"],
-                images_per_s=steady_throughput(run / "metrics.jsonl"),
+                images_per_s=steady_throughput(run / "metrics.jsonl"), threads=threads,
             ))
             print(f"devices={d} batch={b}: {rows[-1].images_per_s:.0f} images/s", flush=True)
     add_speedup(rows)

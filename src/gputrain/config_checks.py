@@ -1,0 +1,233 @@
+"""Checks of a :class:`~gputrain.config.RunConfig` before anything starts: ranges of numbers, and combinations.
+
+Every number in the config is checked by one generic walk (:func:`check_numbers`) against the
+range declared for its field, so ``optim.lr=1e39`` or ``trainer.timeout_s=nan`` is one line naming
+the field and the allowed range, not a traceback from the optimizer. A range is declared in one
+of two places:
+
+* beside the field, in its dataclass: ``lr: float = field(default=1e-3, metadata=bounds(gt=0, le=100))``;
+* or in :data:`RANGES` below, keyed by the dotted name (``"optim.lr": Range(gt=0, le=100)``).
+
+A new numeric field needs one of them: ``tests/unit/test_config_ranges.py`` fails for a number
+without a declared range, and plants a bad value in every field to see it refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import yaml
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+if TYPE_CHECKING:
+    from gputrain.config import RunConfig
+
+INT32_MAX = 2**31 - 1
+"""Upper bound of counts (steps, epochs, batch sizes): what torch's and the samplers' int32 arithmetic holds."""
+SEED_MAX = 2**32 - 1
+"""The largest seed every generator we seed (torch, numpy, random) takes."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Range:
+    """The values a number may take: bounds are inclusive (``ge``, ``le``) or exclusive (``gt``, ``lt``)."""
+
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+    lt: float | None = None
+    example: str = ""
+    """Appended to the refusal, e.g. "e.g. 0.2 for an 8:2 split"."""
+
+    def holds(self, value: float) -> bool:
+        if not math.isfinite(value):
+            return False
+        return ((self.ge is None or value >= self.ge) and (self.gt is None or value > self.gt)
+                and (self.le is None or value <= self.le) and (self.lt is None or value < self.lt))
+
+    def describe(self) -> str:
+        low, high = (self.ge if self.ge is not None else self.gt), (self.le if self.le is not None else self.lt)
+        if high is None or (high >= INT32_MAX and low is not None):  # a count: its upper bound is a footnote
+            text = f"must be at least {_num(low)}" if self.gt is None else f"must be above {_num(low)}"
+            text += f" and at most {_num(high)}" if high is not None else ""
+        elif low is None:
+            text = f"must be at most {_num(high)}" if self.lt is None else f"must be below {_num(high)}"
+        else:
+            text = (f"must be in {'(' if self.gt is not None else '['}{_num(low)}, {_num(high)}"
+                    f"{')' if self.lt is not None else ']'}")
+        return f"{text}, {self.example}" if self.example else text
+
+
+def _num(x: float | None) -> str:
+    return f"{int(x)}" if x is not None and float(x).is_integer() and abs(x) < 1e15 else f"{x:g}"
+
+
+def bounds(**kwargs: Any) -> dict[str, Range]:
+    """Field metadata declaring a range: ``field(default=..., metadata=bounds(ge=0, le=1))``."""
+    return {"range": Range(**kwargs)}
+
+
+COUNT = Range(ge=1, le=INT32_MAX)
+COUNT_OR_OFF = Range(ge=0, le=INT32_MAX)
+"""A count where 0 means off / all / default (documented per field)."""
+DEVICE_INDEX = Range(ge=0, le=1023)
+
+RANGES: dict[str, Range] = {
+    "data.val_fraction": Range(ge=0, lt=1, example="e.g. 0.2 for an 8:2 split"),
+    "data.split_seed": Range(ge=0, le=SEED_MAX),
+    "data.image_size": Range(ge=0, le=65536),
+    "data.num_classes": COUNT_OR_OFF,
+    "data.num_workers": Range(ge=0, le=1024),
+    "optim.lr": Range(gt=0, le=100),
+    "optim.momentum": Range(ge=0, lt=1),
+    "optim.weight_decay": Range(ge=0, le=1),
+    "optim.reference_batch": COUNT,
+    "scheduler.warmup_steps": COUNT_OR_OFF,
+    "scheduler.power": Range(gt=0, le=100),
+    "scheduler.step_epochs": COUNT,
+    "scheduler.gamma": Range(gt=0, le=1),
+    "scheduler.min_lr_ratio": Range(ge=0, le=1),
+    "parallel.stages": Range(ge=1, le=1024),
+    "parallel.micro_batches": COUNT,
+    "parallel.stage_memory_gib": Range(gt=0, le=2**20),
+    "trainer.devices": Range(ge=1, le=1024),
+    "trainer.epochs": COUNT,
+    "trainer.batch_size": COUNT,
+    "trainer.eval_batch_size": COUNT_OR_OFF,
+    "trainer.accumulate_grad_batches": COUNT,
+    "trainer.grad_clip_norm": Range(ge=0, le=1e6),
+    "trainer.seed": Range(ge=0, le=SEED_MAX),
+    "trainer.timeout_s": Range(gt=0, le=10**7),
+    "trainer.log_every_n_steps": COUNT_OR_OFF,
+    "trainer.checkpoint_every_n_epochs": COUNT_OR_OFF,
+    "trainer.checkpoint_every_n_steps": COUNT_OR_OFF,
+    "trainer.keep_last": Range(ge=0, le=10**6),
+    "trainer.eval_every_n_epochs": COUNT_OR_OFF,
+    "trainer.dp_device_ids": DEVICE_INDEX,
+    "trainer.dp_output_device": DEVICE_INDEX,
+    "trainer.max_steps_per_epoch": COUNT_OR_OFF,
+    "trainer.pictures": Range(ge=0, le=1024, example="0 draws no pictures"),
+    "launch.nnodes": Range(ge=1, le=65536),
+    "launch.node_rank": Range(ge=0, le=65535),
+    "launch.max_restarts": Range(ge=0, le=1000),
+}
+"""Allowed values of each number, by dotted field name (lists: of each item); None (unset) is not checked."""
+
+
+def range_of(dotted: str, f: dataclasses.Field[Any]) -> Range | None:
+    """The range declared for a field: its metadata first, then :data:`RANGES`."""
+    declared = f.metadata.get("range")
+    return declared if isinstance(declared, Range) else RANGES.get(dotted)
+
+
+def is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def numeric_fields(obj: Any, prefix: str = "") -> list[tuple[str, dataclasses.Field[Any], Any]]:
+    """(dotted name, field, value) of every field of ``obj``'s dataclasses, recursively, that holds numbers."""
+    out = []
+    for f in dataclasses.fields(obj):
+        value, name = getattr(obj, f.name), f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(value):
+            out += numeric_fields(value, f"{name}.")
+        elif is_number(value) or (isinstance(value, list) and any(is_number(v) for v in value)):
+            out.append((name, f, value))
+    return out
+
+
+def check_numbers(cfg: Any) -> None:
+    """Every number of ``cfg`` is finite and in its field's range; the first that is not is one ``ValueError`` line."""
+    for name, f, value in numeric_fields(cfg):
+        allowed = range_of(name, f) or Range()
+        for item in value if isinstance(value, list) else [value]:
+            if is_number(item) and not allowed.holds(item):
+                shown = f"{name}={value!r}" if not isinstance(value, list) else f"{name}={value!r} ({item!r})"
+                need = allowed.describe() if allowed != Range() else "must be a finite number"
+                if not math.isfinite(item) and allowed != Range():
+                    need = f"must be finite and {need.removeprefix('must be ')}"
+                raise ValueError(f"{shown} {need}")
+
+
+def check_combinations(cfg: RunConfig) -> None:
+    """Values that are each fine but not together, and names with a fixed set of choices."""
+    t, launch = cfg.trainer, cfg.launch
+    if isinstance(cfg.data.num_workers, str) and cfg.data.num_workers != "auto":
+        raise ValueError(f"data.num_workers={cfg.data.num_workers!r} must be a count of at least 0 or auto "
+                         "(the cores of the node divided by its processes)")
+    if t.monitor_mode not in ("min", "max"):
+        raise ValueError(f"trainer.monitor_mode={t.monitor_mode!r} is not min or max")
+    if not launch.node_rank < launch.nnodes:
+        raise ValueError(f"launch.node_rank={launch.node_rank} must be in [0, launch.nnodes={launch.nnodes})")
+    if t.overwrite and t.resume == "auto":
+        raise ValueError("trainer.overwrite=true would delete the run that trainer.resume=auto continues; choose one")
+
+
+def yaml_line(path: Path, dotted: str) -> int | None:
+    """The 1-based line of ``dotted`` (``trainer.epochs``) in the YAML file ``path``, or None where it is not found."""
+    try:
+        node: Any = yaml.compose(path.read_text())
+    except (OSError, yaml.YAMLError):
+        return None
+    for part in dotted.split("."):
+        if not isinstance(node, yaml.MappingNode):
+            return None
+        node = next((v for k, v in node.value if getattr(k, "value", None) == part), None)
+        if node is None:
+            return None
+    return int(node.start_mark.line) + 1
+
+
+def first_line(err: BaseException) -> str:
+    msg = getattr(err, "msg", None) or str(err)
+    return str(msg).strip().splitlines()[0]
+
+
+def load_recipe_yaml(path: Path) -> Any:
+    """The recipe's YAML; a syntax error becomes one line naming the file, line and column."""
+    try:
+        layer = OmegaConf.load(path)
+    except yaml.YAMLError as err:
+        mark, start = getattr(err, "problem_mark", None), getattr(err, "context_mark", None)
+        where = f" line {mark.line + 1} column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(err, "problem", None) or first_line(err)
+        if start is not None and getattr(err, "context", None):
+            problem += f", {err.context} started at line {start.line + 1} column {start.column + 1}"
+        raise ValueError(f"recipe {path}{where}: YAML syntax error ({problem}); fix the file, e.g. a missing "
+                         "bracket, quote or colon") from None
+    if not isinstance(layer, DictConfig):
+        raise ValueError(f"recipe {path} is not a mapping of sections (task:, data:, model:, trainer: ...)")
+    return layer
+
+
+def dotlist(overrides: list[str]) -> Any:
+    try:
+        return OmegaConf.from_dotlist(list(overrides))
+    except yaml.YAMLError as err:
+        bad = next((o for o in overrides if _bad_yaml(o)), " ".join(overrides))
+        raise ValueError(f"override {bad!r} is not valid YAML ({first_line(err)}); quote lists like "
+                         "'trainer.loggers=[csv,tensorboard]'") from None
+
+
+def _bad_yaml(override: str) -> bool:
+    try:
+        yaml.safe_load(override.partition("=")[2])
+    except yaml.YAMLError:
+        return True
+    return False
+
+
+def check_recipe_types(path: Path, layers: list[Any]) -> None:
+    """The recipe file's values have their fields' types; a wrong one names the file and its line."""
+    try:
+        OmegaConf.merge(*layers)
+    except OmegaConfBaseException as err:
+        key = str(getattr(err, "full_key", None) or "")
+        line = yaml_line(path, key) if key else None
+        where = f"recipe {path}" + (f" line {line}" if line else "")
+        raise ValueError(f"{where}: bad value for {key or '?'}: {first_line(err)}; fix the file") from None

@@ -1,0 +1,186 @@
+"""Checkpoints written in a background thread (trainer.async_checkpoint): same content, same safety.
+
+* Async and sync runs write checkpoints that load to the same state, file for file.
+* The state is copied before ``save`` returns: a step that updates the weights in place while the
+  thread is inside the write does not reach the file (the thread is held mid-write on a FIFO the
+  test controls, ``GPUTRAIN_TEST_PAUSE_SAVE``, so the order is fixed, not timed).
+* ``fit`` returns with every checkpoint on disk and the writer idle; a resume from an async
+  checkpoint ends bitwise equal to the uninterrupted run.
+* A save that fails in the thread fails the next save (or the end) with one line naming the file.
+
+Runs are real ``Trainer.fit`` calls of a tiny model in this process; the FIFO tests use a real thread.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from gputrain import Trainer
+from gputrain.checkpoint import CheckpointStore, load_checkpoint
+from gputrain.checkpoint_io import PAUSE_ENV, read_manifest
+from gputrain.checkpoint_writer import CheckpointWriteError, CheckpointWriter
+from gputrain.config import OptimConfig, RunConfig
+from gputrain.hooks.base import Hook
+
+
+def _fit(out: Path, **trainer: Any) -> Trainer:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(24, 4, generator=g)
+    data = TensorDataset(x, x.sum(1, keepdim=True))
+    options: dict[str, Any] = dict(strategy="single", accelerator="cpu", progress_bar=False, loggers=[],
+                                   batch_size=8, epochs=2, out=str(out), checkpoint_every_n_steps=1, keep_last=10)
+    t = Trainer(RunConfig(optim=OptimConfig(name="sgd", lr=0.05, momentum=0.9)), **(options | trainer))
+    t.fit(model, data, TensorDataset(x[:8], x[:8].sum(1, keepdim=True)), loss=F.mse_loss)
+    return t
+
+
+def _leaves(obj: Any, path: str = "") -> Iterator[tuple[str, Any]]:
+    if isinstance(obj, dict):
+        for key in sorted(obj, key=str):
+            yield from _leaves(obj[key], f"{path}[{key!r}]")
+    elif isinstance(obj, (list, tuple)):
+        for i, item in enumerate(obj):
+            yield from _leaves(item, f"{path}[{i}]")
+    else:
+        yield path, obj
+
+
+def _assert_same_state(a: dict[str, Any], b: dict[str, Any]) -> None:
+    left, right = dict(_leaves(a)), dict(_leaves(b))
+    assert left.keys() == right.keys()
+    for key, value in left.items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(value, right[key]) and value.dtype == right[key].dtype, key
+        else:
+            assert value == right[key], key
+
+
+def test_async_and_sync_checkpoints_load_to_the_same_state(tmp_path):
+    fast = _fit(tmp_path / "async", async_checkpoint=True)
+    slow = _fit(tmp_path / "sync", async_checkpoint=False)
+    assert fast.checkpoint_writer.asynchronous and not slow.checkpoint_writer.asynchronous
+    names = sorted(p.name for p in (tmp_path / "async" / "checkpoints").glob("*.pt"))
+    assert names == sorted(p.name for p in (tmp_path / "sync" / "checkpoints").glob("*.pt"))
+    assert names == ["epoch_0001.pt", "epoch_0002.pt", "last.pt", "step_000001.pt", "step_000002.pt",
+                     "step_000004.pt", "step_000005.pt"]
+    for name in names:
+        a = load_checkpoint(tmp_path / "async" / "checkpoints" / name)
+        b = load_checkpoint(tmp_path / "sync" / "checkpoints" / name)
+        config_a, config_b = a.pop("config"), b.pop("config")
+        _assert_same_state(a, b)
+        for config in (config_a, config_b):  # the only differences: where, and which way, it was written
+            config["trainer"].pop("out"), config["trainer"].pop("async_checkpoint")
+        assert config_a == config_b
+    listed = [{n: (e["seq"], e["step"], e["epoch"], e.get("same_as")) for n, e in read_manifest(folder)["files"].items()}
+              for folder in (tmp_path / "async" / "checkpoints", tmp_path / "sync" / "checkpoints")]
+    assert listed[0] == listed[1]  # the same saves, in the same order, under the same names
+
+
+def test_fit_returns_with_every_checkpoint_on_disk(tmp_path):
+    """Planted fault: the end of training does not wait for the writer."""
+    t = _fit(tmp_path, async_checkpoint=True)
+    assert t.checkpoint_writer.idle  # the last save was collected, its error (if any) raised
+    manifest = read_manifest(tmp_path / "checkpoints")
+    assert manifest["pending"] == {} and manifest["files"]["last.pt"]["step"] == t.state.global_step == 6
+    assert load_checkpoint(tmp_path / "checkpoints" / "last.pt")["state"]["global_step"] == 6
+
+
+def test_resume_from_an_async_checkpoint_equals_the_uninterrupted_run(tmp_path):
+    whole = _fit(tmp_path / "whole", async_checkpoint=True)
+    middle = tmp_path / "whole" / "checkpoints" / "step_000004.pt"  # epoch 2, after its first step
+    assert load_checkpoint(middle)["state"]["step_in_epoch"] == 1
+    resumed = _fit(tmp_path / "resumed", async_checkpoint=True, resume=str(middle))
+    assert resumed.state.global_step == whole.state.global_step
+    for key, value in whole.module.state_dict().items():
+        assert torch.equal(value, resumed.module.state_dict()[key]), key
+
+
+class _HeldSave:
+    """Hold the writer thread inside ``torch.save`` (after its first bytes) until :meth:`release`."""
+
+    def __init__(self, folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.fifo = folder / "hold.fifo"
+        os.mkfifo(self.fifo)
+        monkeypatch.setenv(PAUSE_ENV, str(self.fifo))
+        self.end: Any = None
+
+    def reached(self) -> None:
+        """Returns once the writer has opened the FIFO, i.e. it is paused inside the write."""
+        self.end = open(self.fifo, "wb")  # noqa: SIM115  (blocks until the reader, the writer, opens it)
+
+    def release(self) -> None:
+        self.end.close()
+
+
+def test_the_step_cannot_change_a_checkpoint_being_written(tmp_path, monkeypatch):
+    """Planted fault: the state is not copied before save returns (the step then mutates it)."""
+    held = _HeldSave(tmp_path, monkeypatch)
+    writer = CheckpointWriter(CheckpointStore(tmp_path / "checkpoints"))
+    weights = torch.arange(1000, dtype=torch.float32)
+    momentum = {"state": {0: {"momentum_buffer": torch.ones(10)}}, "param_groups": [{"lr": 0.1, "params": [0]}]}
+    state = {"model": {"w": weights, "tied": weights}, "optimizer": momentum, "state": {"global_step": 1}}
+    assert writer.save(state, name="step_000001") == tmp_path / "checkpoints" / "step_000001.pt"
+    held.reached()
+    weights.add_(1.0)  # what the next optimizer step does, in place, while the thread writes
+    momentum["state"][0]["momentum_buffer"].mul_(0.0)
+    momentum["param_groups"][0]["lr"] = 0.5
+    held.release()
+    writer.wait()
+    saved = load_checkpoint(tmp_path / "checkpoints" / "step_000001.pt")
+    assert torch.equal(saved["model"]["w"], torch.arange(1000, dtype=torch.float32))
+    assert saved["model"]["tied"] is saved["model"]["w"] or torch.equal(saved["model"]["tied"], saved["model"]["w"])
+    assert torch.equal(saved["optimizer"]["state"][0]["momentum_buffer"], torch.ones(10))
+    assert saved["optimizer"]["param_groups"][0]["lr"] == 0.1
+
+
+def test_a_failed_background_save_fails_the_next_save_in_one_line(tmp_path, monkeypatch):
+    held = _HeldSave(tmp_path, monkeypatch)
+    store = CheckpointStore(tmp_path / "checkpoints")
+    writer = CheckpointWriter(store)
+    writer.save({"model": {}, "state": {"global_step": 1}}, name="step_000001")
+    held.reached()
+    shutil.rmtree(store.folder)  # the folder vanishes under the write (an unmounted disk, say)
+    held.release()
+    monkeypatch.delenv(PAUSE_ENV)
+    with pytest.raises(CheckpointWriteError) as caught:
+        writer.save({"model": {}, "state": {"global_step": 2}}, name="step_000002")
+    message = str(caught.value)
+    assert "\n" not in message and caught.value.exit_code == 1
+    assert message.startswith(f"checkpoint {store.folder / 'step_000001.pt'} was not written (FileNotFoundError")
+    assert "no earlier checkpoint exists" in message and "trainer.async_checkpoint=false" in message
+    writer.wait()  # raised once, not again
+    store.folder.mkdir()
+    writer.save({"model": {}, "state": {"global_step": 2}}, name="step_000002")
+    writer.wait()
+    assert load_checkpoint(store.folder / "step_000002.pt")["state"]["global_step"] == 2
+
+
+class _BreakTheLastEpochsSave(Hook):
+    """Before the last epoch, point the writer at a folder that cannot exist (under a file)."""
+
+    def before_epoch(self, trainer: Trainer) -> None:
+        if trainer.state.epoch == trainer.cfg.trainer.epochs - 1:
+            (trainer.out / "a-file").write_text("")
+            trainer.checkpoint_writer.store = CheckpointStore(trainer.out / "a-file" / "checkpoints")
+
+
+def test_a_failed_last_save_fails_the_end_of_training_in_one_line(tmp_path):
+    """Planted fault: the end of training does not wait for the writer (its error would be lost)."""
+    with pytest.raises(CheckpointWriteError) as caught:
+        _fit(tmp_path, async_checkpoint=True, checkpoint_every_n_steps=0, hooks=[_BreakTheLastEpochsSave()])
+    message = str(caught.value)
+    assert "\n" not in message
+    assert message.startswith(f"checkpoint {tmp_path / 'a-file' / 'checkpoints' / 'epoch_0002.pt'} was not written")
+    assert load_checkpoint(tmp_path / "checkpoints" / "epoch_0001.pt")["state"]["epoch"] == 1  # the one before

@@ -1,0 +1,50 @@
+"""``data.num_workers=auto``: the node's cores shared among its processes, capped; checked in the config."""
+
+from __future__ import annotations
+
+import pytest
+
+from gputrain.config import load_config
+from gputrain.data.workers import MAX_AUTO_WORKERS, resolve_num_workers
+
+
+@pytest.mark.parametrize(("cores", "local", "want"), [
+    (16, 1, 16), (16, 2, 8), (16, 8, 2), (2, 2, 1), (2, 4, 0), (1, 1, 1), (256, 1, MAX_AUTO_WORKERS), (96, 3, 32),
+])
+def test_auto_divides_the_cores_among_the_local_processes(cores, local, want):
+    assert resolve_num_workers("auto", cores=cores, local_processes=local) == want
+
+
+def test_a_count_is_kept_as_given():
+    assert resolve_num_workers(6, cores=2, local_processes=2) == 6
+
+
+@pytest.mark.parametrize("value", ["many", -1])
+def test_other_values_are_refused_in_one_line_naming_the_field(value):
+    with pytest.raises(ValueError, match=r"^data\.num_workers=.* must be a count of at least 0 or auto"):
+        load_config("autoencoder", [f"data.num_workers={value}"])
+
+
+def test_auto_is_accepted_by_the_config():
+    assert load_config("autoencoder", ["data.num_workers=auto"]).data.num_workers == "auto"
+    assert load_config("autoencoder", ["data.num_workers=3"]).data.num_workers == 3
+
+
+def test_a_run_with_auto_workers_loads_with_the_resolved_count_and_records_it(tmp_path):
+    import torch
+    import torch.nn.functional as F
+    import yaml
+    from torch import nn
+    from torch.utils.data import TensorDataset
+
+    from gputrain import Trainer
+    from gputrain.config import DataConfig, RunConfig
+    from gputrain.data.workers import usable_cores
+
+    x = torch.randn(8, 4)
+    t = Trainer(RunConfig(data=DataConfig(num_workers="auto")), strategy="single", accelerator="cpu",
+                progress_bar=False, loggers=[], batch_size=4, epochs=1, out=str(tmp_path), enable_checkpointing=False)
+    t.fit(nn.Linear(4, 1), TensorDataset(x, x.sum(1, keepdim=True)), loss=F.mse_loss)
+    want = resolve_num_workers("auto", cores=usable_cores(), local_processes=1)
+    assert t.train_loader.num_workers == want
+    assert yaml.safe_load((tmp_path / "config.yaml").read_text())["data"]["num_workers"] == want

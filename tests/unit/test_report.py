@@ -1,0 +1,104 @@
+"""Pictures of a run: curves.png from metrics.jsonl (one point per epoch across resumes), samples.png, TensorBoard."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from PIL import Image
+
+from gputrain import Trainer
+from gputrain.cli import main
+from gputrain.config import OptimConfig, RunConfig, load_config
+from gputrain.data.imagefolder import make_frames
+from gputrain.models.vision import ConvAutoencoder
+from gputrain.tasks.autoencoder import ReconstructionTask
+from gputrain.tools.report import epoch_curves, read_metrics
+from gputrain.tools.train import train_from_config
+
+torch.set_num_threads(1)
+
+
+class _Images(torch.utils.data.Dataset):
+    def __init__(self, n: int = 12) -> None:
+        self.x = torch.rand(n, 3, 20, 20, generator=torch.Generator().manual_seed(1))
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return self.x[i]
+
+
+def _fit(out: Path, epochs: int, resume: str = "", loggers: tuple[str, ...] = ()) -> None:
+    torch.manual_seed(0)
+    Trainer(RunConfig(optim=OptimConfig(name="sgd", lr=0.1)), accelerator="cpu", batch_size=4, epochs=epochs,
+            out=str(out), progress_bar=False, loggers=list(loggers), resume=resume, pictures=4).fit(
+        ConvAutoencoder(), _Images(), _Images(8), task=ReconstructionTask())
+
+
+def _png_size(path: Path) -> tuple[int, int]:
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", f"{path} is not a PNG"
+    with Image.open(path) as im:
+        return im.size
+
+
+def test_curves_have_one_point_per_epoch_across_a_resume(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    _fit(out, epochs=2)
+    _fit(out, epochs=4, resume="auto")
+    curves = epoch_curves(read_metrics(out / "metrics.jsonl"))
+    assert curves["train/loss"][0] == [1, 2, 3, 4]
+    assert curves["val/loss"][0] == [1, 2, 3, 4]
+    epochs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    last = [r for r in epochs if "time/epoch_s" in r][-1]
+    assert curves["val/loss"][1][-1] == last["val/loss"]
+    width, height = _png_size(out / "curves.png")
+    assert 300 <= width <= 2000 and 200 <= height <= 1200
+    width, height = _png_size(out / "samples.png")  # 4 pictures of input | reconstruction
+    assert 300 <= width <= 3000 and 100 <= height <= 1500
+
+
+def test_an_epoch_logged_again_after_a_resume_counts_once() -> None:
+    records = [{"epoch": 1, "step": 3, "train/loss": 9.0},  # a step record: not a point
+               {"epoch": 1, "time/epoch_s": 1, "train/loss": 2.0, "val/loss": 2.5},
+               {"epoch": 2, "time/epoch_s": 1, "train/loss": 1.5, "val/loss": 2.0},
+               {"epoch": 2, "time/epoch_s": 1, "train/loss": 1.4, "val/loss": 1.9, "val/accuracy": 0.5}]
+    curves = epoch_curves(records)
+    assert curves["train/loss"] == ([1, 2], [2.0, 1.4])
+    assert curves["val/accuracy"] == ([2], [0.5])
+
+
+def test_tensorboard_receives_the_sample_grid_at_each_evaluation(tmp_path: Path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    _fit(tmp_path / "run", epochs=2, loggers=("tensorboard",))
+    events = EventAccumulator(str(tmp_path / "run" / "tensorboard"), size_guidance={"images": 0})
+    events.Reload()
+    assert "val/samples" in events.Tags()["images"]
+    images = events.Images("val/samples")
+    assert len(images) == 2 and images[0].width > 100 and images[0].height > 50
+
+
+def test_wandb_receives_the_sample_grid_at_each_evaluation(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    _fit(tmp_path / "run", epochs=2, loggers=("wandb",))
+    media = list((tmp_path / "run" / "wandb").glob("wandb/offline-run-*/files/media/images/val/samples_*.png"))
+    assert len(media) == 2 and all(_png_size(m)[0] > 100 for m in media)
+
+
+def test_report_command_redraws_a_recipe_run(tmp_path: Path, monkeypatch, capsys) -> None:
+    monkeypatch.chdir(tmp_path)
+    make_frames(tmp_path / "frames", count=12, size=20, videos=2)
+    cfg = load_config("autoencoder", ["data.root=frames", "trainer.out=run", "trainer.epochs=2",
+                                      "trainer.batch_size=4", "trainer.accelerator=cpu", "trainer.progress_bar=false",
+                                      "trainer.loggers=[]", "trainer.pictures=0"])
+    train_from_config(cfg)
+    assert not (tmp_path / "run" / "curves.png").exists()  # trainer.pictures=0 draws nothing
+    assert main(["report", "run", "--samples", "3"]) == 0
+    assert _png_size(tmp_path / "run" / "curves.png")[0] >= 300
+    assert _png_size(tmp_path / "run" / "samples.png")[0] >= 300
+    assert main(["report", "nothing-here"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "nothing-here has no metrics.jsonl" in err[0]
