@@ -82,7 +82,7 @@ RANGES: dict[str, Range] = {
     "data.split_seed": Range(ge=0, le=SEED_MAX),
     "data.image_size": Range(ge=0, le=65536),
     "data.num_classes": COUNT_OR_OFF,
-    "data.num_workers": Range(ge=0, le=1024),
+    "data.num_workers": Range(ge=0, le=1024, example="or auto (the cores of the node divided by its processes)"),
     "optim.lr": Range(gt=0, le=100),
     "optim.momentum": Range(ge=0, lt=1),
     "optim.weight_decay": Range(ge=0, le=1),
