@@ -105,6 +105,11 @@ FAULTS: tuple[Fault, ...] = (
            ("usable = (n // self.global_batch) * self.global_batch if drop_last else n",
             "usable = (n // self.global_batch) * self.global_batch if drop_last else len(self.order)")),
           (f"{UNIT}::test_training_reads_every_sample_once_per_epoch",)),
+    # -- h15b: issue 15's table ------------------------------------------------------------------
+    Fault("stop request not agreed across ranks", "src/gputrain/signals.py",
+          (("if self.world_size == 1 or not dist.is_initialized():\n            return self.received",
+            "if True:\n            return self.received"),),
+          ("tests/e2e/test_faults.py::test_a_signal_to_one_worker_stops_every_rank_after_the_same_step",)),
 )
 
 

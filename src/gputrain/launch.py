@@ -1,7 +1,9 @@
 """Start worker processes with torchrun's own machinery; never a home-made pool.
 
 ``gputrain train ... --devices N`` re-executes itself under ``torch.distributed.run``
-(the module behind ``torchrun``). Python callers use :func:`launch`, which goes through
+(the module behind ``torchrun``) when the job spans nodes or may restart; on one node without
+restarts it starts the ranks itself with torchrun's variables (:mod:`gputrain.direct_launch`),
+which saves the agent's start-up and CPU time. Python callers use :func:`launch`, which goes through
 ``torch.distributed.launcher.api.elastic_launch``: the same elastic agent and rendezvous.
 
 When workers fail, the launcher prints the first failing rank's one-line error, last; when the
@@ -29,6 +31,7 @@ from typing import Any, TypeVar
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+from gputrain.direct_launch import run_direct
 from gputrain.dist import launched_env
 from gputrain.errors import EXIT_DIVERGED, EXIT_FAILED, EXIT_OK, EXIT_USAGE, exit_code_for_signal
 
@@ -56,6 +59,11 @@ class LaunchSpec:
     def needs_launch(self) -> bool:
         """Whether this process must start workers rather than be one."""
         return launched_env() is None and (self.nproc_per_node > 1 or self.nnodes > 1)
+
+    @property
+    def direct(self) -> bool:
+        """Whether the ranks are started as plain subprocesses (one node, no restarts) rather than by torchrun."""
+        return self.nnodes == 1 and self.max_restarts == 0
 
 
 def free_port() -> int:
@@ -143,7 +151,7 @@ def _launcher_scope() -> Iterator[None]:
 
 
 def run_workers(spec: LaunchSpec, module: str, module_args: Sequence[str]) -> int:
-    """:func:`run_torchrun`, returning the exit code for the command and printing at most the failure line.
+    """:func:`run_direct` or :func:`run_torchrun`, returning the exit code for the command and printing at most the failure line.
 
     0 when every worker succeeded; 128 + signal when the launcher was interrupted (the workers
     print their own "interrupted" line); otherwise what :func:`report_failure` decides.
@@ -152,6 +160,8 @@ def run_workers(spec: LaunchSpec, module: str, module_args: Sequence[str]) -> in
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     with _launcher_scope():
+        if spec.direct:
+            return run_direct(spec.nproc_per_node, module, module_args)
         try:
             run_torchrun(spec, module, module_args)
         except SignalException as err:
