@@ -18,17 +18,20 @@ import contextlib
 import json
 import logging
 import os
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 import time
 import traceback
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
-from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ErrorHandler, record
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from gputrain.direct_launch import run_direct
@@ -117,7 +120,8 @@ def debug() -> bool:
     return bool(os.environ.get("GPUTRAIN_DEBUG"))
 
 
-TORCHRUN_LOGGERS = ("torch.distributed.elastic", "torch.distributed.run", "torch.distributed.launcher")
+TORCHRUN_LOGGERS = ("torch.distributed.elastic", "torch.distributed.run", "torch.distributed.launcher",
+                    "torch.multiprocessing.spawn")
 """The loggers of torchrun's agent: a line for every forwarded signal, stopped worker and failure."""
 
 
@@ -157,7 +161,6 @@ def run_workers(spec: LaunchSpec, module: str, module_args: Sequence[str]) -> in
     print their own "interrupted" line); otherwise what :func:`report_failure` decides.
     """
     from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     with _launcher_scope():
         if spec.direct:
@@ -182,6 +185,11 @@ def _failure_line(rank: int, failure: Any) -> str:
     info = _gputrain_info(failure)
     if info.get("line"):
         return f"rank {rank}: {info['line']}"
+    data = failure.error_file_data if isinstance(failure.error_file_data, dict) else {}
+    message = data.get("message")  # torch's own record(): "Type: message" for a Python function's exception
+    text = message.get("message", "") if isinstance(message, dict) else ""
+    if isinstance(text, str) and text.strip():
+        return f"rank {rank}: {text.strip().splitlines()[0]}"
     if failure.exitcode < 0:
         name = failure.signal_name()
         hint = " (out of memory? see `dmesg`)" if name == "SIGKILL" else ""
@@ -192,6 +200,18 @@ def _failure_line(rank: int, failure: Any) -> str:
 _PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "DistNetworkError", "DistBackendError")
 
 
+def first_failure(failures: dict[int, Any]) -> tuple[int, Any]:
+    """The failing rank whose error came first and is not a consequence of another's; (rank, failure)."""
+    def order(item: tuple[int, Any]) -> tuple[bool, float, int]:
+        # A peer's lost connection is a consequence, whatever its time: the rank that left first
+        # tears its process group down before its own error file is written.
+        line = _failure_line(item[0], item[1])
+        consequence = any(text in line for text in _PEER_LOST)
+        return consequence, _gputrain_info(item[1]).get("time", item[1].timestamp), item[0]
+
+    return min(failures.items(), key=order)
+
+
 def report_failure(failures: dict[int, Any]) -> int:
     """Print the first failing rank's error (by time) as the last line; return the command's exit code.
 
@@ -199,14 +219,7 @@ def report_failure(failures: dict[int, Any]) -> int:
     only the first is shown. Crashes that are not bad input get the last lines of their traceback
     above the line. A rank that stopped for a signal (exit 130/143) printed its own line.
     """
-    def order(item: tuple[int, Any]) -> tuple[bool, float, int]:
-        # A peer's lost connection is a consequence, whatever its time: the rank that left first
-        # tears its process group down before its own error file is written.
-        line = _gputrain_info(item[1]).get("line", "")
-        consequence = any(text in line for text in _PEER_LOST)
-        return consequence, _gputrain_info(item[1]).get("time", item[1].timestamp), item[0]
-
-    rank, failure = min(failures.items(), key=order)
+    rank, failure = first_failure(failures)
     if failure.exitcode in INTERRUPT_CODES:
         return failure.exitcode
     info = _gputrain_info(failure)
@@ -258,9 +271,19 @@ def launch_all(fn: Callable[..., T], *args: Any, devices: int = 2, max_restarts:
     """Run ``fn(*args)`` in ``devices`` processes on this node; return each rank's result, by rank.
 
     ``fn`` must be importable by name (a module-level function), since workers are
-    spawned. Each worker should call :func:`gputrain.dist.init_distributed`.
+    spawned. Each worker should call :func:`gputrain.dist.init_distributed`. A failing rank
+    raises :class:`WorkerFailed` here: one line naming the first failing rank, its error and the
+    log file holding the workers' stderr (tracebacks included). The caller's signal handlers are
+    restored when this returns or raises.
     """
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+
+    logs = Path(tempfile.mkdtemp(prefix="gputrain-launch-"))
+    # Workers' stderr (tracebacks, torch's warnings) goes to a file per rank that a failure names;
+    # their stdout stays on the terminal. GPUTRAIN_DEBUG=1 shows everything.
+    specs = DefaultLogsSpecs(log_dir=str(logs), redirects=Std.NONE if debug() else Std.ERR)
     config = LaunchConfig(
+        logs_specs=specs,
         min_nodes=1,
         max_nodes=1,
         nproc_per_node=devices,
@@ -271,5 +294,40 @@ def launch_all(fn: Callable[..., T], *args: Any, devices: int = 2, max_restarts:
         max_restarts=max_restarts,
         monitor_interval=0.1,
     )
-    results = elastic_launch(config, fn)(*args)
+    with _launcher_scope():  # quiet agent, and the caller's signal handlers back afterwards
+        try:
+            results = elastic_launch(config, fn)(*args)
+        except ChildFailedError as err:
+            raise WorkerFailed(err.name, err.failures, _write_failure_log(logs / "failures.log", err.failures)) from None
+    shutil.rmtree(logs, ignore_errors=True)
     return [results[r] for r in range(devices)]
+
+
+class WorkerFailed(ChildFailedError):
+    """A rank of :func:`launch` failed: one line naming the first failing rank, its error and its log file.
+
+    Still a ``ChildFailedError`` (``.failures`` maps each failed rank to torch's ``ProcessFailure``).
+    """
+
+    def __init__(self, name: str, failures: dict[int, Any], log: Path) -> None:
+        super().__init__(name, failures)
+        self.log = log
+        """Every failed rank's traceback and stderr."""
+
+    def __str__(self) -> str:
+        rank, failure = first_failure(self.failures)
+        return f"{_failure_line(rank, failure)} (full traceback in {self.log})"
+
+
+def _write_failure_log(path: Path, failures: dict[int, Any]) -> Path:
+    """Each failed rank's traceback (from its error file) and stderr, in one file; its path."""
+    parts = []
+    for rank, failure in sorted(failures.items()):
+        data = failure.error_file_data if isinstance(failure.error_file_data, dict) else {}
+        message = data.get("message")
+        stack = message.get("extraInfo", {}).get("py_callstack", "") if isinstance(message, dict) else ""
+        stderr = Path(failure.error_file).parent / "stderr.log" if failure.error_file else None
+        text = stderr.read_text(errors="replace") if stderr is not None and stderr.is_file() else ""
+        parts.append(f"== {_failure_line(rank, failure)}\n{stack}\n-- stderr of rank {rank}:\n{text}\n")
+    path.write_text("".join(parts))
+    return path
