@@ -154,3 +154,25 @@ def test_divergence_without_checkpointing_still_fails(tmp_path):
     error = _diverge(tmp_path, batch_size=16, enable_checkpointing=False)
     assert not (tmp_path / "checkpoints").exists()
     assert "no checkpoint had been written" in str(error)
+
+
+# -- --resume auto says what it skipped and where it continues (issue 15 item 8) ----------------------
+def test_resume_auto_names_the_damaged_file_it_skips_the_one_it_uses_and_each_count(tmp_path, capsys):
+    _fit(tmp_path, epochs=1, checkpoint_every_n_steps=1)  # 2 steps: step_000001.pt mid-epoch, then the epoch's end
+    folder = tmp_path / "checkpoints"
+    with open(folder / "last.pt", "r+b") as f:  # epoch_0001.pt is the same file (a hard link): damaged too
+        f.truncate(100)
+    capsys.readouterr()
+    _fit(tmp_path, epochs=2, resume="auto")
+    captured = capsys.readouterr()
+    skipped = [line for line in captured.err.splitlines() if line.startswith("gputrain: skipping checkpoint")]
+    assert {line.split()[3].rstrip(":") for line in skipped} == {str(folder / "last.pt"), str(folder / "epoch_0001.pt")}
+    assert all("truncated" in line or "bytes" in line for line in skipped), skipped
+    assert f"gputrain: --resume auto uses {folder / 'step_000001.pt'}, the newest intact checkpoint" in captured.err
+    assert (f"gputrain: resumed from {folder / 'step_000001.pt'} at epoch 1, after step 1 of that epoch "
+            "(global step 1)") in captured.out.splitlines()
+    from gputrain.loop_state import TrainState
+    from gputrain.resume import resumed_line
+
+    assert resumed_line("ck.pt", TrainState(epoch=1, global_step=2)) == \
+        "gputrain: resumed from ck.pt at the start of epoch 2 (global step 2)"
