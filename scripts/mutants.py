@@ -110,6 +110,17 @@ FAULTS: tuple[Fault, ...] = (
           (("if self.world_size == 1 or not dist.is_initialized():\n            return self.received",
             "if True:\n            return self.received"),),
           ("tests/e2e/test_faults.py::test_a_signal_to_one_worker_stops_every_rank_after_the_same_step",)),
+    Fault("segmentation validation loss weighted by all pixels (void included)", "src/gputrain/metrics/segmentation.py",
+          (("self.loss.update(outputs, targets, loss, int(keep.sum()))",
+            "self.loss.update(outputs, targets, loss, targets.numel())"),),
+          (f"{UNIT}::test_segmentation_validation_loss_is_the_mean_over_labelled_pixels",)),
+    Fault("lr scaled from the per-device batch, not the global batch", "src/gputrain/loop.py",
+          (("lr = scaled_lr(o.lr, self.planned_global_batch, o.reference_batch, o.scale_lr)",
+            "lr = scaled_lr(o.lr, self.cfg.trainer.batch_size, o.reference_batch, o.scale_lr)"),),
+          (f"{UNIT}::test_linear_lr_scaling_uses_the_global_batch_with_accumulation",)),
+    Fault("augmentation seed ignores the epoch", "src/gputrain/data/samplers.py",
+          (("manual_seed(((self.seed * 1_000_003 + epoch) * 2_147_483_647", "manual_seed(((self.seed * 1_000_003) * 2_147_483_647"),),
+          (f"{UNIT}::test_augmentation_changes_from_epoch_to_epoch_and_repeats_within_one",)),
 )
 
 

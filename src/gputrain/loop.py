@@ -26,7 +26,13 @@ from gputrain.hooks.base import Hook
 from gputrain.loop_state import TrainState, seed_everything
 from gputrain.optim import build_scheduler
 from gputrain.precision import build_precision
-from gputrain.resume import apply_resume_state, load_resume_state, resumed_batch_size, resumed_line, save_checkpoint
+from gputrain.resume import (
+    apply_resume_state,
+    load_resume_state,
+    resumed_batch_size,
+    resumed_line,
+    save_checkpoint,
+)
 from gputrain.run_record import already_finished, describe_python_run, discard_untrained_run, write_summary
 from gputrain.signals import StopRequest
 from gputrain.strategies import Strategy, build_strategy
