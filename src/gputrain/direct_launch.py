@@ -3,8 +3,8 @@
 torchrun's elastic agent earns its keep with restarts and multi-node rendezvous; for one node
 and ``--max-restarts 0`` it only costs start-up time (an agent, a rendezvous store, a monitor)
 and a share of two busy cores. Here the launcher sets the variables torchrun sets
-(RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT, ...), and rank 0 hosts the store as under
-``init_method="env://"``. Everything else stays torchrun's: workers record their error with
+(RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT, ...) and hosts the rendezvous store at
+MASTER_ADDR:MASTER_PORT itself, as the agent does (``TORCHELASTIC_USE_AGENT_STORE``). Everything else stays torchrun's: workers record their error with
 ``record`` into ``TORCHELASTIC_ERROR_FILE``, and a failure is described by torch's
 ``ProcessFailure``, so the launcher reports it exactly as it does for torchrun.
 
@@ -46,7 +46,7 @@ def rank_env(base: dict[str, str], *, rank: int, world_size: int, port: int, run
         "ROLE_NAME": "default", "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size),
         "ROLE_WORLD_SIZE": str(world_size), "GROUP_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(port), "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
-        "TORCHELASTIC_RUN_ID": run_id, "TORCHELASTIC_USE_AGENT_STORE": "False",
+        "TORCHELASTIC_RUN_ID": run_id, "TORCHELASTIC_USE_AGENT_STORE": "True",
         "TORCHELASTIC_ERROR_FILE": error_file, "TORCH_NCCL_ASYNC_ERROR_HANDLING": env.get(
             "TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
     })
@@ -67,10 +67,13 @@ class _Job:
     """The ranks of one job, their error files, and the signal the launcher received (0: none)."""
 
     def __init__(self, nproc: int, argv: Sequence[str], base_env: dict[str, str]) -> None:
-        from gputrain.launch import free_port
+        from torch.distributed import TCPStore
 
         self.errors = Path(tempfile.mkdtemp(prefix="gputrain-ranks-"))
-        port, run_id, me = free_port(), f"gputrain-{uuid.uuid4().hex[:8]}", os.getpid()
+        # The launcher hosts the store, as torchrun's agent does: ranks connect at once instead of
+        # retrying with back-off until rank 0 has imported torch and opened it (seconds on busy cores).
+        self.store = TCPStore("127.0.0.1", 0, nproc, is_master=True, wait_for_workers=False)
+        port, run_id, me = self.store.port, f"gputrain-{uuid.uuid4().hex[:8]}", os.getpid()
         self.signum = 0
         self.procs: list[subprocess.Popen[bytes]] = []
         for rank in range(nproc):
