@@ -6,6 +6,7 @@ command without the fault is the uninterrupted reference.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -143,3 +144,40 @@ def test_a_signal_to_one_worker_stops_every_rank_after_the_same_step(tmp_path, s
     assert f"step_{step:06d}.pt" in checkpoints and f"step {step}" in lines[0], (checkpoints, lines)
     assert [name for name in checkpoints if name.startswith("step_")] == [f"step_{step:06d}.pt"]
     assert "Traceback" not in stderr and "error" not in stderr, stderr
+
+
+def test_killing_the_launcher_leaves_no_rank_behind(tmp_path):
+    """Direct launch (one node, no restarts): SIGKILL to the launcher alone; both ranks must end by themselves."""
+    torch.set_num_threads(1)
+    steps = tmp_path / "steps"
+    steps.mkdir()
+    env = {**ENV, "GPUTRAIN_TEST_STEPS_DIR": str(steps)}
+    proc = subprocess.Popen([sys.executable, "-m", "gputrain", "train", str(_recipe(tmp_path)), "--devices", "2",
+                             "--epochs", "500", "--out", str(tmp_path / "run")], env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240  # a bound for a broken run, not a speed check
+        while not all((steps / f"rank{r}").is_file() for r in (0, 1)):
+            assert proc.poll() is None and time.monotonic() < deadline, "the run ended or never started a step"
+            time.sleep(0.05)
+        ranks = _worker_pids(proc.pid)
+        assert sorted(ranks) == [0, 1], ranks
+        proc.kill()  # the launcher only: SIGKILL cannot be caught or forwarded
+        proc.wait()
+        deadline = time.monotonic() + 120
+        alive = list(ranks.values())
+        while alive and time.monotonic() < deadline:
+            alive = [pid for pid in alive if _running(pid)]
+            time.sleep(0.1)
+        assert not alive, f"ranks left running after the launcher died: {alive}"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` is a live process (a zombie waiting for init to reap it counts as gone)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
