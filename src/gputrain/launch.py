@@ -15,7 +15,6 @@ torchrun's own log lines are kept off the console (``GPUTRAIN_DEBUG=1`` shows th
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import shutil
@@ -23,20 +22,19 @@ import signal
 import socket
 import sys
 import tempfile
-import time
-import traceback
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ErrorHandler, record
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from gputrain.direct_launch import run_direct
 from gputrain.dist import launched_env
 from gputrain.errors import EXIT_DIVERGED, EXIT_FAILED, EXIT_OK, EXIT_USAGE, exit_code_for_signal
+from gputrain.worker_errors import WorkerErrorHandler, worker_record  # noqa: F401  (cli.py and tests import them from here)
 
 T = TypeVar("T")
 
@@ -230,33 +228,6 @@ def report_failure(failures: dict[int, Any]) -> int:
     print(f"gputrain: error: {_failure_line(rank, failure)}", file=sys.stderr, flush=True)
     code = int(info.get("exit_code", failure.exitcode))
     return code if code in (EXIT_USAGE, EXIT_DIVERGED) else EXIT_FAILED
-
-
-def worker_record(fn: Callable[..., T], *, usage: tuple[type[BaseException], ...]) -> Callable[..., T]:
-    """``fn`` wrapped by torch's ``record``, writing gputrain's one line and a fine timestamp into the error file."""
-    return record(fn, error_handler=WorkerErrorHandler(usage))  # type: ignore[return-value]
-
-
-class WorkerErrorHandler(ErrorHandler):
-    """torch's error-file format, plus what the launcher needs to print one line for the first failure."""
-
-    def __init__(self, usage: tuple[type[BaseException], ...]) -> None:
-        self.usage = usage
-
-    def record_exception(self, e: BaseException) -> None:
-        path = self._get_error_file_path()
-        if not path:
-            return
-        usage = isinstance(e, self.usage)
-        line = str(e).strip().splitlines()[0] if usage and str(e).strip() else f"{type(e).__name__}: {e}"
-        stack = traceback.format_exc()
-        # The time the exception was raised (stamped by the worker before teardown), not when it is recorded.
-        info = {"line": line, "usage": usage, "time": getattr(e, "gputrain_time", time.time()), "traceback": stack,
-                "exit_code": getattr(e, "exit_code", EXIT_USAGE if usage else EXIT_FAILED)}
-        data = {"message": {"message": f"{type(e).__name__}: {e}",
-                            "extraInfo": {"py_callstack": stack, "timestamp": str(int(time.time())), "gputrain": info}}}
-        with open(path, "w") as f:
-            json.dump(data, f)
 
 
 def launch(fn: Callable[..., T], *args: Any, devices: int = 2, max_restarts: int = 0) -> T:
