@@ -1,8 +1,7 @@
 """Start the ranks of a single-node job without restarts as plain subprocesses, as torchrun would.
 
 torchrun's elastic agent earns its keep with restarts and multi-node rendezvous; for one node
-and ``--max-restarts 0`` it only costs start-up time (an agent, a rendezvous store, a monitor)
-and a share of two busy cores. Here the launcher sets the variables torchrun sets
+and ``--max-restarts 0`` neither is used (figures in docs/benchmarks.md). Here the launcher sets the variables torchrun sets
 (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT, ...) and hosts the rendezvous store at
 MASTER_ADDR:MASTER_PORT itself, as the agent does (``TORCHELASTIC_USE_AGENT_STORE``). Everything else stays torchrun's: workers record their error with
 ``record`` into ``TORCHELASTIC_ERROR_FILE``, and a failure is described by torch's

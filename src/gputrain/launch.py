@@ -2,8 +2,7 @@
 
 ``gputrain train ... --devices N`` re-executes itself under ``torch.distributed.run``
 (the module behind ``torchrun``) when the job spans nodes or may restart; on one node without
-restarts it starts the ranks itself with torchrun's variables (:mod:`gputrain.direct_launch`),
-which saves the agent's start-up and CPU time. Python callers use :func:`launch`, which goes through
+restarts it starts the ranks itself with torchrun's variables (:mod:`gputrain.direct_launch`). Python callers use :func:`launch`, which goes through
 ``torch.distributed.launcher.api.elastic_launch``: the same elastic agent and rendezvous.
 
 When workers fail, the launcher prints the first failing rank's one-line error, last; when the
