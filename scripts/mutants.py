@@ -207,6 +207,26 @@ FAULTS: tuple[Fault, ...] = (
           (("            self._announce_wait()", "            self._announce_plan('')"),),
           ("tests/unit/test_model_parallel_placement.py::"
            "test_measured_split_waits_for_a_batch_then_rebinds_the_optimizer",)),
+    # -- h15b: issue 15's table ------------------------------------------------------------------
+    Fault("stop request not agreed across ranks", "src/gputrain/signals.py",
+          (("if self.world_size == 1 or not dist.is_initialized():\n            return self.received",
+            "if True:\n            return self.received"),),
+          ("tests/e2e/test_faults.py::test_a_signal_to_one_worker_stops_every_rank_after_the_same_step",)),
+    Fault("segmentation validation loss weighted by all pixels (void included)", "src/gputrain/metrics/segmentation.py",
+          (("self.loss.update(outputs, targets, loss, int(keep.sum()))",
+            "self.loss.update(outputs, targets, loss, targets.numel())"),),
+          (f"{UNIT}::test_segmentation_validation_loss_is_the_mean_over_labelled_pixels",)),
+    Fault("lr scaled from the per-device batch, not the global batch", "src/gputrain/loop.py",
+          (("lr = scaled_lr(o.lr, self.planned_global_batch, o.reference_batch, o.scale_lr)",
+            "lr = scaled_lr(o.lr, self.cfg.trainer.batch_size, o.reference_batch, o.scale_lr)"),),
+          (f"{UNIT}::test_linear_lr_scaling_uses_the_global_batch_with_accumulation",)),
+    Fault("augmentation seed ignores the epoch", "src/gputrain/data/samplers.py",
+          (("manual_seed(((self.seed * 1_000_003 + epoch) * 2_147_483_647", "manual_seed(((self.seed * 1_000_003) * 2_147_483_647"),),
+          (f"{UNIT}::test_augmentation_changes_from_epoch_to_epoch_and_repeats_within_one",)),
+    Fault("gputrain.launch leaves the agent's noise and signal handlers to the caller", "src/gputrain/launch.py",
+          (("with _launcher_scope():  # quiet agent", "with contextlib.nullcontext():  # quiet agent"),),
+          ("tests/distributed/test_launch.py::"
+           "test_a_failing_rank_under_launch_is_one_exception_and_the_callers_handler_comes_back",)),
 )
 
 

@@ -242,6 +242,8 @@ class CheckpointStore:
         When there are checkpoints but none is whole, raise instead of letting the run restart from step 0.
         """
         found = self.latest_valid()
+        if found is not None and self.skipped:
+            print(f"gputrain: --resume auto uses {found}, the newest intact checkpoint", file=sys.stderr)
         if found is None and self.skipped:
             damaged = "; ".join(f"{path.name} ({why})" for path, why in self.skipped)
             raise ValueError(f"no usable checkpoint in {self.folder}: {damaged}; resume from an intact copy with "

@@ -1,7 +1,8 @@
 """Start worker processes with torchrun's own machinery; never a home-made pool.
 
 ``gputrain train ... --devices N`` re-executes itself under ``torch.distributed.run``
-(the module behind ``torchrun``). Python callers use :func:`launch`, which goes through
+(the module behind ``torchrun``) when the job spans nodes or may restart; on one node without
+restarts it starts the ranks itself with torchrun's variables (:mod:`gputrain.direct_launch`). Python callers use :func:`launch`, which goes through
 ``torch.distributed.launcher.api.elastic_launch``: the same elastic agent and rendezvous.
 
 When workers fail, the launcher prints the first failing rank's one-line error, last; when the
@@ -13,24 +14,26 @@ torchrun's own log lines are kept off the console (``GPUTRAIN_DEBUG=1`` shows th
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
+import shutil
 import signal
 import socket
 import sys
-import time
-import traceback
+import tempfile
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
-from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+from gputrain.direct_launch import run_direct
 from gputrain.dist import launched_env
 from gputrain.errors import EXIT_DIVERGED, EXIT_FAILED, EXIT_OK, EXIT_USAGE, exit_code_for_signal
+from gputrain.worker_errors import WorkerErrorHandler, worker_record  # noqa: F401  (cli.py and tests import them from here)
 
 T = TypeVar("T")
 
@@ -56,6 +59,11 @@ class LaunchSpec:
     def needs_launch(self) -> bool:
         """Whether this process must start workers rather than be one."""
         return launched_env() is None and (self.nproc_per_node > 1 or self.nnodes > 1)
+
+    @property
+    def direct(self) -> bool:
+        """Whether the ranks are started as plain subprocesses (one node, no restarts) rather than by torchrun."""
+        return self.nnodes == 1 and self.max_restarts == 0
 
 
 def free_port() -> int:
@@ -109,7 +117,8 @@ def debug() -> bool:
     return bool(os.environ.get("GPUTRAIN_DEBUG"))
 
 
-TORCHRUN_LOGGERS = ("torch.distributed.elastic", "torch.distributed.run", "torch.distributed.launcher")
+TORCHRUN_LOGGERS = ("torch.distributed.elastic", "torch.distributed.run", "torch.distributed.launcher",
+                    "torch.multiprocessing.spawn")
 """The loggers of torchrun's agent: a line for every forwarded signal, stopped worker and failure."""
 
 
@@ -143,15 +152,16 @@ def _launcher_scope() -> Iterator[None]:
 
 
 def run_workers(spec: LaunchSpec, module: str, module_args: Sequence[str]) -> int:
-    """:func:`run_torchrun`, returning the exit code for the command and printing at most the failure line.
+    """:func:`run_direct` or :func:`run_torchrun`, returning the exit code for the command and printing at most the failure line.
 
     0 when every worker succeeded; 128 + signal when the launcher was interrupted (the workers
     print their own "interrupted" line); otherwise what :func:`report_failure` decides.
     """
     from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     with _launcher_scope():
+        if spec.direct:
+            return run_direct(spec.nproc_per_node, module, module_args)
         try:
             run_torchrun(spec, module, module_args)
         except SignalException as err:
@@ -172,6 +182,11 @@ def _failure_line(rank: int, failure: Any) -> str:
     info = _gputrain_info(failure)
     if info.get("line"):
         return f"rank {rank}: {info['line']}"
+    data = failure.error_file_data if isinstance(failure.error_file_data, dict) else {}
+    message = data.get("message")  # torch's own record(): "Type: message" for a Python function's exception
+    text = message.get("message", "") if isinstance(message, dict) else ""
+    if isinstance(text, str) and text.strip():
+        return f"rank {rank}: {text.strip().splitlines()[0]}"
     if failure.exitcode < 0:
         name = failure.signal_name()
         hint = " (out of memory? see `dmesg`)" if name == "SIGKILL" else ""
@@ -182,6 +197,18 @@ def _failure_line(rank: int, failure: Any) -> str:
 _PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "DistNetworkError", "DistBackendError")
 
 
+def first_failure(failures: dict[int, Any]) -> tuple[int, Any]:
+    """The failing rank whose error came first and is not a consequence of another's; (rank, failure)."""
+    def order(item: tuple[int, Any]) -> tuple[bool, float, int]:
+        # A peer's lost connection is a consequence, whatever its time: the rank that left first
+        # tears its process group down before its own error file is written.
+        line = _failure_line(item[0], item[1])
+        consequence = any(text in line for text in _PEER_LOST)
+        return consequence, _gputrain_info(item[1]).get("time", item[1].timestamp), item[0]
+
+    return min(failures.items(), key=order)
+
+
 def report_failure(failures: dict[int, Any]) -> int:
     """Print the first failing rank's error (by time) as the last line; return the command's exit code.
 
@@ -189,14 +216,7 @@ def report_failure(failures: dict[int, Any]) -> int:
     only the first is shown. Crashes that are not bad input get the last lines of their traceback
     above the line. A rank that stopped for a signal (exit 130/143) printed its own line.
     """
-    def order(item: tuple[int, Any]) -> tuple[bool, float, int]:
-        # A peer's lost connection is a consequence, whatever its time: the rank that left first
-        # tears its process group down before its own error file is written.
-        line = _gputrain_info(item[1]).get("line", "")
-        consequence = any(text in line for text in _PEER_LOST)
-        return consequence, _gputrain_info(item[1]).get("time", item[1].timestamp), item[0]
-
-    rank, failure = min(failures.items(), key=order)
+    rank, failure = first_failure(failures)
     if failure.exitcode in INTERRUPT_CODES:
         return failure.exitcode
     info = _gputrain_info(failure)
@@ -207,33 +227,6 @@ def report_failure(failures: dict[int, Any]) -> int:
     print(f"gputrain: error: {_failure_line(rank, failure)}", file=sys.stderr, flush=True)
     code = int(info.get("exit_code", failure.exitcode))
     return code if code in (EXIT_USAGE, EXIT_DIVERGED) else EXIT_FAILED
-
-
-def worker_record(fn: Callable[..., T], *, usage: tuple[type[BaseException], ...]) -> Callable[..., T]:
-    """``fn`` wrapped by torch's ``record``, writing gputrain's one line and a fine timestamp into the error file."""
-    return record(fn, error_handler=WorkerErrorHandler(usage))  # type: ignore[return-value]
-
-
-class WorkerErrorHandler(ErrorHandler):
-    """torch's error-file format, plus what the launcher needs to print one line for the first failure."""
-
-    def __init__(self, usage: tuple[type[BaseException], ...]) -> None:
-        self.usage = usage
-
-    def record_exception(self, e: BaseException) -> None:
-        path = self._get_error_file_path()
-        if not path:
-            return
-        usage = isinstance(e, self.usage)
-        line = str(e).strip().splitlines()[0] if usage and str(e).strip() else f"{type(e).__name__}: {e}"
-        stack = traceback.format_exc()
-        # The time the exception was raised (stamped by the worker before teardown), not when it is recorded.
-        info = {"line": line, "usage": usage, "time": getattr(e, "gputrain_time", time.time()), "traceback": stack,
-                "exit_code": getattr(e, "exit_code", EXIT_USAGE if usage else EXIT_FAILED)}
-        data = {"message": {"message": f"{type(e).__name__}: {e}",
-                            "extraInfo": {"py_callstack": stack, "timestamp": str(int(time.time())), "gputrain": info}}}
-        with open(path, "w") as f:
-            json.dump(data, f)
 
 
 def launch(fn: Callable[..., T], *args: Any, devices: int = 2, max_restarts: int = 0) -> T:
@@ -248,9 +241,19 @@ def launch_all(fn: Callable[..., T], *args: Any, devices: int = 2, max_restarts:
     """Run ``fn(*args)`` in ``devices`` processes on this node; return each rank's result, by rank.
 
     ``fn`` must be importable by name (a module-level function), since workers are
-    spawned. Each worker should call :func:`gputrain.dist.init_distributed`.
+    spawned. Each worker should call :func:`gputrain.dist.init_distributed`. A failing rank
+    raises :class:`WorkerFailed` here: one line naming the first failing rank, its error and the
+    log file holding the workers' stderr (tracebacks included). The caller's signal handlers are
+    restored when this returns or raises.
     """
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+
+    logs = Path(tempfile.mkdtemp(prefix="gputrain-launch-"))
+    # Workers' stderr (tracebacks, torch's warnings) goes to a file per rank that a failure names;
+    # their stdout stays on the terminal. GPUTRAIN_DEBUG=1 shows everything.
+    specs = DefaultLogsSpecs(log_dir=str(logs), redirects=Std.NONE if debug() else Std.ERR)
     config = LaunchConfig(
+        logs_specs=specs,
         min_nodes=1,
         max_nodes=1,
         nproc_per_node=devices,
@@ -261,5 +264,40 @@ def launch_all(fn: Callable[..., T], *args: Any, devices: int = 2, max_restarts:
         max_restarts=max_restarts,
         monitor_interval=0.1,
     )
-    results = elastic_launch(config, fn)(*args)
+    with _launcher_scope():  # quiet agent, and the caller's signal handlers back afterwards
+        try:
+            results = elastic_launch(config, fn)(*args)
+        except ChildFailedError as err:
+            raise WorkerFailed(err.name, err.failures, _write_failure_log(logs / "failures.log", err.failures)) from None
+    shutil.rmtree(logs, ignore_errors=True)
     return [results[r] for r in range(devices)]
+
+
+class WorkerFailed(ChildFailedError):
+    """A rank of :func:`launch` failed: one line naming the first failing rank, its error and its log file.
+
+    Still a ``ChildFailedError`` (``.failures`` maps each failed rank to torch's ``ProcessFailure``).
+    """
+
+    def __init__(self, name: str, failures: dict[int, Any], log: Path) -> None:
+        super().__init__(name, failures)
+        self.log = log
+        """Every failed rank's traceback and stderr."""
+
+    def __str__(self) -> str:
+        rank, failure = first_failure(self.failures)
+        return f"{_failure_line(rank, failure)} (full traceback in {self.log})"
+
+
+def _write_failure_log(path: Path, failures: dict[int, Any]) -> Path:
+    """Each failed rank's traceback (from its error file) and stderr, in one file; its path."""
+    parts = []
+    for rank, failure in sorted(failures.items()):
+        data = failure.error_file_data if isinstance(failure.error_file_data, dict) else {}
+        message = data.get("message")
+        stack = message.get("extraInfo", {}).get("py_callstack", "") if isinstance(message, dict) else ""
+        stderr = Path(failure.error_file).parent / "stderr.log" if failure.error_file else None
+        text = stderr.read_text(errors="replace") if stderr is not None and stderr.is_file() else ""
+        parts.append(f"== {_failure_line(rank, failure)}\n{stack}\n-- stderr of rank {rank}:\n{text}\n")
+    path.write_text("".join(parts))
+    return path

@@ -27,7 +27,13 @@ from gputrain.hooks.base import Hook
 from gputrain.loop_state import TrainState, seed_everything
 from gputrain.optim import build_scheduler
 from gputrain.precision import build_precision
-from gputrain.resume import apply_resume_state, load_resume_state, resumed_batch_size, save_checkpoint
+from gputrain.resume import (
+    apply_resume_state,
+    load_resume_state,
+    resumed_batch_size,
+    resumed_line,
+    save_checkpoint,
+)
 from gputrain.run_record import already_finished, describe_python_run, discard_untrained_run, write_summary
 from gputrain.signals import StopRequest
 from gputrain.strategies import Strategy, build_strategy
@@ -198,8 +204,7 @@ class Trainer:
             apply_resume_state(self, resume_state)
             self.resumed = True
             if self.dist.is_main and self.state.epoch < t.epochs:
-                print(f"gputrain: resumed from {resume_state['_path']} at epoch {self.state.epoch + 1} "
-                      f"step {self.state.global_step}", flush=True)
+                print(resumed_line(resume_state["_path"], self.state), flush=True)
         self.config_dict = to_dict(self.cfg)
 
     @property

@@ -163,6 +163,13 @@ def load_resume_state(trainer: Trainer, where: str) -> dict[str, Any] | None:
     return load_checkpoint(path, map_location="cpu") | {"_path": path}
 
 
+def resumed_line(path: str, state: TrainState) -> str:
+    """Where a resumed run continues: the epoch (1-based), the step within it and the global step, each named."""
+    where = (f"epoch {state.epoch + 1}, after step {state.step_in_epoch} of that epoch" if state.step_in_epoch
+             else f"the start of epoch {state.epoch + 1}")
+    return f"gputrain: resumed from {path} at {where} (global step {state.global_step})"
+
+
 def resumed_batch_size(saved_global_batch: int, dp_size: int, accumulate: int, batch_size: int,
                        path: str) -> int:
     """The per-device batch that keeps the checkpoint's global batch on this many data-parallel ranks."""

@@ -1,3 +1,9 @@
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
 import torch
 import torch.distributed as dist
 
@@ -13,3 +19,65 @@ def _sum_ranks(info):
 def test_two_real_processes_see_each_other():
     results = run_ranks(_sum_ranks)
     assert results == [(0, 2, 3.0), (1, 2, 3.0)]
+
+
+# -- the Python API's failures (issue 15 item 6): one exception, a few lines, the caller's handlers back ------
+
+SCRIPT = '''
+import os, signal, sys
+import torch
+import gputrain
+
+
+def work():
+    torch.set_num_threads(1)
+    if os.environ["RANK"] == "1":
+        raise ValueError("rank one refuses this model")
+    return "ok"
+
+
+def own_handler(signum, frame):
+    print("own handler", signum, flush=True)
+    sys.exit(7)
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "uncaught":
+        gputrain.launch(work, devices=2)
+    signal.signal(signal.SIGTERM, own_handler)
+    try:
+        gputrain.launch(work, devices=2)
+    except Exception as err:
+        print("caught", type(err).__name__, err, flush=True)
+    os.kill(os.getpid(), signal.SIGTERM)
+    signal.pause()
+'''
+
+
+def _script(tmp_path: Path, mode: str) -> subprocess.CompletedProcess:
+    script = tmp_path / "api_script.py"
+    script.write_text(SCRIPT)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("GPUTRAIN_DEBUG", None)
+    return subprocess.run([sys.executable, str(script), mode], capture_output=True, text=True, env=env,
+                          cwd=tmp_path, timeout=240)
+
+
+def test_a_failing_rank_under_launch_is_one_exception_and_the_callers_handler_comes_back(tmp_path):
+    done = _script(tmp_path, "caught")
+    caught = [line for line in done.stdout.splitlines() if line.startswith("caught")]
+    assert len(caught) == 1 and "rank 1: ValueError: rank one refuses this model" in caught[0], done.stdout
+    assert caught[0].startswith("caught WorkerFailed")
+    log = Path(re.search(r"full traceback in (\S+)\)", caught[0]).group(1))
+    assert log.is_file() and "Traceback" in log.read_text() and "rank one refuses" in log.read_text()
+    assert done.stderr.strip() == "", done.stderr  # nothing from the agent or the workers on the terminal
+    # SIGTERM after launch returned reaches the caller's own handler, not elastic's SignalException.
+    assert done.returncode == 7 and "own handler 15" in done.stdout, (done.returncode, done.stdout, done.stderr)
+
+
+def test_an_uncaught_failure_under_launch_is_a_few_lines(tmp_path):
+    done = _script(tmp_path, "uncaught")
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 1 and len(lines) <= 12, done.stderr
+    assert re.match(r"gputrain\.launch\.WorkerFailed: rank 1: ValueError: rank one refuses this model \(full "
+                    r"traceback in .*failures\.log\)$", lines[-1]), lines[-1]

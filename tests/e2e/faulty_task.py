@@ -5,12 +5,17 @@ environment picks the fault, so the same command trains normally without it:
 GPUTRAIN_TEST_FAULT=kill|raise, GPUTRAIN_TEST_FAULT_RANK (default 1), GPUTRAIN_TEST_FAULT_STEP
 (the optimizer step whose forward fails, default 5). ``kill`` happens on the first attempt
 only (a crash an elastic restart recovers from); ``raise`` on every attempt.
+GPUTRAIN_TEST_STEPS_DIR: each rank writes the optimizer step of every training forward to
+``rank<N>`` there (how far each rank got); GPUTRAIN_TEST_SLOW_RANK: that rank sleeps 20 ms per
+forward, so it runs behind the others.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -31,11 +36,20 @@ class FaultyTask(Task):
         self.rank = int(os.environ.get("RANK", "0"))
         self.fault_rank = int(os.environ.get("GPUTRAIN_TEST_FAULT_RANK", "1"))
         self.fault_step = int(os.environ.get("GPUTRAIN_TEST_FAULT_STEP", "5"))
+        steps_dir = os.environ.get("GPUTRAIN_TEST_STEPS_DIR", "")
+        self.steps_file = Path(steps_dir) / f"rank{self.rank}" if steps_dir else None
+        self.slow = os.environ.get("GPUTRAIN_TEST_SLOW_RANK", "") == str(self.rank)
 
     def forward(self, model: nn.Module, inputs: Any, targets: Any) -> Any:
         if model.training:
             self.calls += 1
             step = (self.calls - 1) // self.micro_per_step + 1
+            if self.steps_file is not None:
+                partial = self.steps_file.with_suffix(".tmp")
+                partial.write_text(str(step))
+                partial.replace(self.steps_file)  # whole numbers only, for a reader polling it
+            if self.slow:
+                time.sleep(0.02)
             if self.fault and self.rank == self.fault_rank and step == self.fault_step:
                 if self.fault == "kill" and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
                     os.kill(os.getpid(), signal.SIGKILL)

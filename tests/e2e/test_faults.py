@@ -6,8 +6,10 @@ command without the fault is the uninterrupted reference.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -77,3 +79,105 @@ def test_rank_that_always_fails_ends_the_job_and_is_named(reference, tmp_path):
     assert "Traceback" not in done.stderr.splitlines()[-1]
     # timeout_s=30: every rank is gone well within timeout + 10 s of the failure, restarts included.
     assert time.monotonic() - start < 2 * 40 + 30
+
+
+# -- a stop request sent to ONE worker (issue 15 item 2): every rank stops after the same step ------
+
+
+def _worker_pids(launcher: int) -> dict[int, int]:
+    """{rank: pid} of the launcher's child processes, read from /proc as a user would find them."""
+    ranks = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            env = (stat.parent / "environ").read_bytes().split(b"\0")
+        except OSError:  # a process that ended while we looked
+            continue
+        if int(fields[1]) == launcher:
+            rank = [item[5:] for item in env if item.startswith(b"RANK=")]
+            if rank:
+                ranks[int(rank[0])] = int(stat.parent.name)
+    return ranks
+
+
+def _stop_one_worker(tmp_path: Path, sig: signal.Signals, victim: int, slow: int) -> tuple[int, str, str, dict]:
+    """Train for long; once both ranks passed step 2, send ``sig`` to rank ``victim`` only (rank ``slow`` lags)."""
+    recipe = _recipe(tmp_path)
+    recipe.write_text(recipe.read_text().replace("checkpoint_every_n_steps: 2, timeout_s: 30",
+                                                 "checkpoint_every_n_steps: 0, timeout_s: 20"))
+    steps = tmp_path / "steps"
+    steps.mkdir()
+    env = {**ENV, "GPUTRAIN_TEST_STEPS_DIR": str(steps), "GPUTRAIN_TEST_SLOW_RANK": str(slow)}
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "gputrain", "train", str(recipe), "--devices", "2", "--epochs",
+                             "500", "--out", str(out)], env=env, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240  # a bound for a broken run, not a speed check
+        while not all((steps / f"rank{r}").is_file() and int((steps / f"rank{r}").read_text()) >= 2 for r in (0, 1)):
+            assert proc.poll() is None and time.monotonic() < deadline, "the run ended or never reached step 2"
+            time.sleep(0.05)
+        pids = _worker_pids(proc.pid)
+        assert sorted(pids) == [0, 1], pids
+        os.kill(pids[victim], sig)
+        stdout, stderr = proc.communicate(timeout=120)  # a rank left waiting forever ends here, as a failure
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    reached = {r: int((steps / f"rank{r}").read_text()) for r in (0, 1)}
+    return proc.returncode, stdout, stderr, reached
+
+
+@pytest.mark.parametrize("sig, victim, slow, code", [
+    (signal.SIGTERM, 1, 0, 143),  # the signalled rank is ahead of the other
+    (signal.SIGINT, 0, 1, 130),   # ... and the other way round
+])
+def test_a_signal_to_one_worker_stops_every_rank_after_the_same_step(tmp_path, sig, victim, slow, code):
+    torch.set_num_threads(1)
+    rc, stdout, stderr, reached = _stop_one_worker(tmp_path, sig, victim, slow)
+    lines = [line for line in stdout.splitlines() if line.startswith("interrupted at epoch")]
+    assert rc == code and len(lines) == 1, (rc, stdout[-2000:], stderr[-2000:])
+    assert reached[0] == reached[1], f"ranks stopped after different steps: {reached}"
+    step = reached[0]
+    checkpoints = sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("*.pt"))
+    assert f"step_{step:06d}.pt" in checkpoints and f"step {step}" in lines[0], (checkpoints, lines)
+    assert [name for name in checkpoints if name.startswith("step_")] == [f"step_{step:06d}.pt"]
+    assert "Traceback" not in stderr and "error" not in stderr, stderr
+
+
+def test_killing_the_launcher_leaves_no_rank_behind(tmp_path):
+    """Direct launch (one node, no restarts): SIGKILL to the launcher alone; both ranks must end by themselves."""
+    torch.set_num_threads(1)
+    steps = tmp_path / "steps"
+    steps.mkdir()
+    env = {**ENV, "GPUTRAIN_TEST_STEPS_DIR": str(steps)}
+    proc = subprocess.Popen([sys.executable, "-m", "gputrain", "train", str(_recipe(tmp_path)), "--devices", "2",
+                             "--epochs", "500", "--out", str(tmp_path / "run")], env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240  # a bound for a broken run, not a speed check
+        while not all((steps / f"rank{r}").is_file() for r in (0, 1)):
+            assert proc.poll() is None and time.monotonic() < deadline, "the run ended or never started a step"
+            time.sleep(0.05)
+        ranks = _worker_pids(proc.pid)
+        assert sorted(ranks) == [0, 1], ranks
+        proc.kill()  # the launcher only: SIGKILL cannot be caught or forwarded
+        proc.wait()
+        deadline = time.monotonic() + 60  # SIGTERM from the kernel: the ranks finish a step, save and leave
+        alive = list(ranks.values())
+        while alive and time.monotonic() < deadline:
+            alive = [pid for pid in alive if _running(pid)]
+            time.sleep(0.1)
+        assert not alive, f"ranks left running after the launcher died: {alive}"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` is a live process (a zombie waiting for init to reap it counts as gone)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

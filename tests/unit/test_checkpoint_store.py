@@ -224,13 +224,19 @@ def test_malicious_pickle_is_refused_and_runs_nothing(tmp_path):
         def __reduce__(self):
             return (os.system, (f"touch {sentinel}",))
 
-    (tmp_path / "raw.pt").write_bytes(pickle.dumps({"model": Exploit()}, protocol=2))
-    torch.save({"model": Exploit()}, tmp_path / "zipped.pt")  # torch's own format around the same payload
-    for name in ("raw.pt", "zipped.pt"):
-        with pytest.raises(ValueError, match=f"{name} cannot be loaded safely"):
-            load_checkpoint(tmp_path / name)
-    store = CheckpointStore(tmp_path)
-    assert store.latest_valid() == tmp_path / "zipped.pt"  # whole (its loading is what refuses it)
+    # One file per folder: which of two unlisted files is "newest" would depend on their modification times.
+    raw, zipped = tmp_path / "raw" / "raw.pt", tmp_path / "zipped" / "zipped.pt"
+    raw.parent.mkdir()
+    zipped.parent.mkdir()
+    raw.write_bytes(pickle.dumps({"model": Exploit()}, protocol=2))
+    torch.save({"model": Exploit()}, zipped)  # torch's own format around the same payload
+    for path in (raw, zipped):
+        with pytest.raises(ValueError, match=f"{path.name} cannot be loaded safely"):
+            load_checkpoint(path)
+    store = CheckpointStore(zipped.parent)
+    assert store.latest_valid() == zipped and store.skipped == []  # whole (its loading is what refuses it)
+    store = CheckpointStore(raw.parent)
+    assert store.latest_valid() is None
     assert [(p.name, "not a whole torch checkpoint" in why) for p, why in store.skipped] == [("raw.pt", True)]
     assert not sentinel.exists()
 

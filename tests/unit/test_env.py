@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from gputrain.tools.env import collect_env, format_env, main
+from gputrain.tools.env import ENV_NAMES, ENV_PREFIXES, collect_env, format_env, main
 
 
 def test_env_reports_versions_backends_and_devices():
@@ -29,8 +29,9 @@ def test_env_reports_versions_backends_and_devices():
 
 
 def test_env_shows_launcher_variables_and_the_layout_they_give(monkeypatch):
+    # Every variable `gputrain env` reports goes (OMP_NUM_THREADS, CUDA_VISIBLE_DEVICES, ... set outside the test).
     for key in list(os.environ):
-        if key.startswith(("SLURM_", "TORCHELASTIC_", "NCCL_")) or key in ("RANK", "WORLD_SIZE", "MASTER_ADDR"):
+        if key.startswith(ENV_PREFIXES) or key in ENV_NAMES:
             monkeypatch.delenv(key)
     monkeypatch.setenv("SLURM_PROCID", "1")
     monkeypatch.setenv("SLURM_NTASKS", "4")

@@ -154,3 +154,73 @@ def test_divergence_without_checkpointing_still_fails(tmp_path):
     error = _diverge(tmp_path, batch_size=16, enable_checkpointing=False)
     assert not (tmp_path / "checkpoints").exists()
     assert "no checkpoint had been written" in str(error)
+
+
+# -- --resume auto says what it skipped and where it continues (issue 15 item 8) ----------------------
+def test_resume_auto_names_the_damaged_file_it_skips_the_one_it_uses_and_each_count(tmp_path, capsys):
+    _fit(tmp_path, epochs=1, checkpoint_every_n_steps=1)  # 2 steps: step_000001.pt mid-epoch, then the epoch's end
+    folder = tmp_path / "checkpoints"
+    with open(folder / "last.pt", "r+b") as f:  # epoch_0001.pt is the same file (a hard link): damaged too
+        f.truncate(100)
+    capsys.readouterr()
+    _fit(tmp_path, epochs=2, resume="auto")
+    captured = capsys.readouterr()
+    skipped = [line for line in captured.err.splitlines() if line.startswith("gputrain: skipping checkpoint")]
+    assert {line.split()[3].rstrip(":") for line in skipped} == {str(folder / "last.pt"), str(folder / "epoch_0001.pt")}
+    assert all("truncated" in line or "bytes" in line for line in skipped), skipped
+    assert f"gputrain: --resume auto uses {folder / 'step_000001.pt'}, the newest intact checkpoint" in captured.err
+    assert (f"gputrain: resumed from {folder / 'step_000001.pt'} at epoch 1, after step 1 of that epoch "
+            "(global step 1)") in captured.out.splitlines()
+    from gputrain.loop_state import TrainState
+    from gputrain.resume import resumed_line
+
+    assert resumed_line("ck.pt", TrainState(epoch=1, global_step=2)) == \
+        "gputrain: resumed from ck.pt at the start of epoch 2 (global step 2)"
+
+
+# -- issue 15's planted faults that only slow tests (or nothing) caught ---------------------------------
+def test_segmentation_validation_loss_is_the_mean_over_labelled_pixels():
+    """Fault: each batch's loss weighted by all its pixels, void ones included."""
+    from gputrain.dist import DistInfo
+    from gputrain.metrics.segmentation import SegmentationEvaluator
+    from gputrain.strategies import SingleDevice
+
+    g = torch.Generator().manual_seed(3)
+    logits, targets = torch.randn(5, 4, 6, 6, generator=g), torch.randint(0, 4, (5, 6, 6), generator=g)
+    for image, void_rows in enumerate((0, 1, 3, 5, 2)):  # a different number of void pixels in each image
+        targets[image, :void_rows] = 255
+    evaluator = SegmentationEvaluator(4)
+    for batch in ([0, 1], [2, 3], [4]):
+        evaluator.update(logits[batch], targets[batch], F.cross_entropy(logits[batch], targets[batch],
+                                                                        ignore_index=255), len(batch))
+    metrics = evaluator.compute(SingleDevice(DistInfo()))
+    exact = F.cross_entropy(logits.double(), targets, ignore_index=255)  # one mean over every labelled pixel
+    assert metrics["pixels"] == 5 * 36 - 6 * (0 + 1 + 3 + 5 + 2)
+    assert metrics["loss"] == pytest.approx(float(exact), rel=1e-6)
+
+
+def test_linear_lr_scaling_uses_the_global_batch_with_accumulation(tmp_path):
+    """Fault: lr scaled from the per-device batch (8) instead of the global batch (8 x accumulation 2)."""
+    optim = OptimConfig(name="sgd", lr=0.01, momentum=0.9, scale_lr="linear", reference_batch=8)
+    t = _fit(tmp_path, optim=optim, epochs=1, n=32, accumulate_grad_batches=2)
+    assert t.global_batch == 16
+    assert t.optimizer.param_groups[0]["lr"] == pytest.approx(0.02)
+
+
+def test_augmentation_changes_from_epoch_to_epoch_and_repeats_within_one():
+    """Fault: the augmentation seed ignores the epoch (every epoch the same random crop/flip)."""
+    from torch.utils.data import Dataset
+
+    from gputrain.data.samplers import SeededSamples
+
+    class RandomAugment(Dataset):
+        def __len__(self) -> int:
+            return 4
+
+        def __getitem__(self, index: int) -> torch.Tensor:
+            return torch.rand(3)  # stands for a random transform: it draws from torch's generator
+
+    samples = SeededSamples(RandomAugment(), seed=0)
+    assert torch.equal(samples[(0, 2)], samples[(0, 2)])  # the same sample in the same epoch: the same draw
+    assert not torch.equal(samples[(0, 2)], samples[(1, 2)])  # the next epoch draws anew
+    assert not torch.equal(samples[(0, 2)], samples[(0, 3)])

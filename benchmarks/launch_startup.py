@@ -1,0 +1,91 @@
+"""Start-up of a 2-process ``gputrain train``: ranks started directly vs by torchrun's elastic agent.
+
+The job is the user-code task of the fault tests (tests/e2e/faulty_task.py: a tiny CNN on in-memory
+data), so the time is the launcher's, the imports' and the rendezvous', not the model's. Direct launch
+is what ``--max-restarts 0`` (the default) gets on one node; ``--max-restarts 1`` goes through torchrun
+(no restart happens: nothing fails). Runs are interleaved A B A B (``--pairs``); per pair the figures
+are: start -> the first training forward on every rank (each rank writes its step to a file), and the
+wall time of the whole 1-epoch run. Medians over pairs, and the median of per-pair ratios.
+
+    python benchmarks/launch_startup.py [--pairs 5] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+E2E = HERE.parent / "tests" / "e2e"
+RECIPE = """task: faulty_task:build
+data: {{root: {root}}}
+optim: {{name: sgd, lr: 0.1, momentum: 0.9}}
+trainer: {{strategy: ddp, accelerator: cpu, epochs: 1, batch_size: 8, progress_bar: false, loggers: [],
+          checkpoint_every_n_steps: 0, enable_checkpointing: false}}
+"""
+
+
+def one_run(folder: Path, restarts: int) -> tuple[float, float]:
+    """(seconds from start to the first forward on both ranks, seconds of the whole run)."""
+    steps = folder / "steps"
+    steps.mkdir(parents=True)
+    recipe = folder / "job.yaml"
+    recipe.write_text(RECIPE.format(root=folder))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GPUTRAIN_TEST_STEPS_DIR": str(steps),
+           "PYTHONPATH": os.pathsep.join([str(E2E), os.environ.get("PYTHONPATH", "")])}
+    start = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-m", "gputrain", "train", str(recipe), "--devices", "2",
+                             "--max-restarts", str(restarts), "--out", str(folder / "run")],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    first = float("nan")
+    while proc.poll() is None:
+        if first != first and all((steps / f"rank{r}").is_file() for r in (0, 1)):
+            first = time.perf_counter() - start
+        time.sleep(0.01)
+    wall = time.perf_counter() - start
+    if proc.returncode != 0:
+        raise SystemExit(f"launch_startup: the run failed ({proc.returncode}): {proc.stderr.read()[-2000:]}")  # type: ignore[union-attr]
+    return first, wall
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pairs", type=int, default=5)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    rows: dict[str, dict[str, list[float]]] = {m: {"first": [], "wall": []} for m in ("direct", "torchrun")}
+    ratios: dict[str, list[float]] = {"first": [], "wall": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for pair in range(args.pairs):
+            got = {}
+            for mode, restarts in (("direct", 0), ("torchrun", 1)) if pair % 2 == 0 else (("torchrun", 1), ("direct", 0)):
+                got[mode] = one_run(Path(tmp) / f"{pair}-{mode}", restarts)
+                rows[mode]["first"].append(got[mode][0])
+                rows[mode]["wall"].append(got[mode][1])
+            ratios["first"].append(got["torchrun"][0] / got["direct"][0])
+            ratios["wall"].append(got["torchrun"][1] / got["direct"][1])
+            print(f"pair {pair + 1}: direct {got['direct'][0]:.2f} s / {got['direct'][1]:.2f} s, "
+                  f"torchrun {got['torchrun'][0]:.2f} s / {got['torchrun'][1]:.2f} s", flush=True)
+    result = {
+        "date": datetime.date.today().isoformat(), "machine": f"{platform.node()} ({os.cpu_count()} cores)",
+        "command": " ".join(["python", "benchmarks/launch_startup.py", *sys.argv[1:]]), "pairs": args.pairs,
+        "median_s": {m: {k: round(statistics.median(v), 2) for k, v in r.items()} for m, r in rows.items()},
+        "median_ratio_torchrun_over_direct": {k: round(statistics.median(v), 3) for k, v in ratios.items()},
+    }
+    print(json.dumps(result, indent=2))
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

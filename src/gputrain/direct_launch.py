@@ -1,0 +1,167 @@
+"""Start the ranks of a single-node job without restarts as plain subprocesses, as torchrun would.
+
+torchrun's elastic agent earns its keep with restarts and multi-node rendezvous; for one node
+and ``--max-restarts 0`` neither is used (figures in docs/benchmarks.md). Here the launcher sets the variables torchrun sets
+(RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT, ...) and hosts the rendezvous store at
+MASTER_ADDR:MASTER_PORT itself, as the agent does (``TORCHELASTIC_USE_AGENT_STORE``). Everything else stays torchrun's: workers record their error with
+``record`` into ``TORCHELASTIC_ERROR_FILE``, and a failure is described by torch's
+``ProcessFailure``, so the launcher reports it exactly as it does for torchrun.
+
+Ranks stay in the launcher's process group, so Ctrl-C in a terminal or ``kill -- -PGID``
+reaches all of them; signals sent to the launcher alone are forwarded. When a rank fails the
+others get SIGTERM, then SIGKILL after a grace period (torchrun's 30 s). A rank whose launcher
+dies (even by SIGKILL) gets SIGTERM from the kernel (``PR_SET_PDEATHSIG``), so none is orphaned.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1)
+"""Signals the launcher passes on to every rank (SIGUSR1: SLURM's "time is nearly up")."""
+GRACE_S = 30.0
+"""How long ranks may take to leave after SIGTERM before SIGKILL (torchrun's default)."""
+_PR_SET_PDEATHSIG = 1
+
+
+def rank_env(base: dict[str, str], *, rank: int, world_size: int, port: int, run_id: str,
+             error_file: str) -> dict[str, str]:
+    """The environment torchrun gives local rank ``rank`` of a single-node job."""
+    env = dict(base)
+    env.update({
+        "RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": str(0), "ROLE_RANK": str(rank),
+        "ROLE_NAME": "default", "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size),
+        "ROLE_WORLD_SIZE": str(world_size), "GROUP_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port), "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
+        "TORCHELASTIC_RUN_ID": run_id, "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "TORCHELASTIC_ERROR_FILE": error_file, "TORCH_NCCL_ASYNC_ERROR_HANDLING": env.get(
+            "TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+    })
+    return env
+
+
+def _die_with_launcher(launcher: int) -> None:
+    """Runs in each rank before exec: SIGTERM when the launcher dies, and leave if it already has."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: the ranks still get forwarded signals
+        return
+    if os.getppid() != launcher:
+        os._exit(143)
+
+
+class _Job:
+    """The ranks of one job, their error files, and the signal the launcher received (0: none)."""
+
+    def __init__(self, nproc: int, argv: Sequence[str], base_env: dict[str, str]) -> None:
+        from torch.distributed import TCPStore
+
+        self.errors = Path(tempfile.mkdtemp(prefix="gputrain-ranks-"))
+        # The launcher hosts the store, as torchrun's agent does: ranks connect at once instead of
+        # retrying with back-off until rank 0 has imported torch and opened it (seconds on busy cores).
+        self.store = TCPStore("127.0.0.1", 0, nproc, is_master=True, wait_for_workers=False)
+        port, run_id, me = self.store.port, f"gputrain-{uuid.uuid4().hex[:8]}", os.getpid()
+        self.signum = 0
+        self.procs: list[subprocess.Popen[bytes]] = []
+        for rank in range(nproc):
+            env = rank_env(base_env, rank=rank, world_size=nproc, port=port, run_id=run_id,
+                           error_file=str(self.errors / f"rank{rank}.json"))
+            self.procs.append(subprocess.Popen(list(argv), env=env, preexec_fn=lambda: _die_with_launcher(me)))
+
+    def forward(self, signum: int, frame: FrameType | None) -> None:
+        self.signum = self.signum or signum
+        self.send(signum)
+
+    def send(self, signum: int) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                try:
+                    proc.send_signal(signum)
+                except ProcessLookupError:
+                    pass
+
+    def wait_first_failure(self) -> Any:
+        """Wait until every rank succeeded (None) or one failed (its ``ProcessFailure``)."""
+        from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+        while True:
+            codes = [proc.poll() for proc in self.procs]
+            for rank, code in enumerate(codes):
+                if code:  # non-zero: failed or killed
+                    return ProcessFailure(rank, self.procs[rank].pid, code, str(self.errors / f"rank{rank}.json"))
+            if all(code == 0 for code in codes):
+                return None
+            time.sleep(0.05)
+
+    def stop_all(self, *, terminate: bool) -> dict[int, Any]:
+        """Wait for every rank (SIGTERM first if ``terminate``), SIGKILL after :data:`GRACE_S`; the failed ranks."""
+        from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+        if terminate:
+            self.send(signal.SIGTERM)
+        deadline = time.monotonic() + GRACE_S
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        return {rank: ProcessFailure(rank, proc.pid, proc.returncode, str(self.errors / f"rank{rank}.json"))
+                for rank, proc in enumerate(self.procs) if proc.returncode}
+
+
+def run_direct(nproc: int, module: str, module_args: Sequence[str]) -> int:
+    """Run ``python -m module module_args`` as ``nproc`` ranks on this node; the command's exit code.
+
+    0 when every rank succeeded; 128 + signal when the launcher itself was signalled; otherwise
+    what :func:`gputrain.launch.report_failure` decides from the first failing rank.
+    """
+    from gputrain.errors import EXIT_OK, exit_code_for_signal
+    from gputrain.launch import report_failure
+
+    base = dict(os.environ)
+    base.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    saved = {sig: signal.getsignal(sig) for sig in FORWARDED}
+    job: _Job | None = None
+    try:
+        # Handlers first: a signal between the first fork and the last must still reach every rank.
+        pending: list[int] = []
+        for sig in FORWARDED:
+            signal.signal(sig, lambda signum, frame: pending.append(signum))
+        job = _Job(nproc, [sys.executable, "-m", module, *module_args], base)
+        for sig in FORWARDED:
+            signal.signal(sig, job.forward)
+        for signum in pending[:1]:
+            job.forward(signum, None)
+        first = job.wait_first_failure()
+        if first is None:
+            return EXIT_OK
+        from gputrain.launch import INTERRUPT_CODES
+
+        # A rank that stopped for a signal was agreed with the others, which are leaving too: no SIGTERM.
+        failures = job.stop_all(terminate=not job.signum and first.exitcode not in INTERRUPT_CODES)
+        failures.setdefault(first.local_rank, first)
+        if job.signum:
+            return exit_code_for_signal(job.signum)
+        return report_failure(failures)
+    finally:
+        if job is not None:
+            for proc in job.procs:  # an exception in the launcher itself leaves no rank behind
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+            shutil.rmtree(job.errors, ignore_errors=True)
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
