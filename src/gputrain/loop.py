@@ -20,6 +20,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from gputrain.config import RunConfig, TrainerConfig, to_dict, to_yaml
+from gputrain.config import validate as check_config
 from gputrain.data.samplers import SeededSamples, StepBatchSampler
 from gputrain.dist import DistInfo, init_distributed, restart_attempt
 from gputrain.errors import Interrupted
@@ -60,6 +61,7 @@ class Trainer:
         if unknown:
             raise TypeError(f"unknown Trainer option(s) {sorted(unknown)}; valid: {sorted(known)}")
         self.cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, **trainer))
+        check_config(self.cfg)  # the ranges the CLI checks hold for Python-API configs too: one ValueError line
         self.extra_hooks = hooks or []
         self.resume_command = resume_command
         self.state = TrainState()

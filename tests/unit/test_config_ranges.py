@@ -112,3 +112,12 @@ def test_lr_1e39_on_the_command_line_is_one_line_and_exit_2(tmp_path):
     assert done.returncode == 2
     assert done.stderr.splitlines() == ["gputrain: error: optim.lr=1e+39 must be in (0, 100]"]
     assert list(Path(tmp_path).iterdir()) == []
+
+
+def test_a_python_api_config_is_checked_as_the_command_line_checks_it():
+    from gputrain import Trainer
+
+    with pytest.raises(ValueError, match=r"^trainer\.epochs=0 must be at least 1"):
+        Trainer(epochs=0)
+    with pytest.raises(ValueError, match=r"^optim\.lr=inf must be finite"):
+        Trainer(config_module.RunConfig(optim=config_module.OptimConfig(lr=float("inf"))))
