@@ -44,6 +44,7 @@ COMMON = (
     "trainer.log_every_n_steps=1",  # every step in metrics.jsonl: the first logged loss is the untrained one
     "trainer.progress_bar=false", "trainer.loggers=[]",  # metrics.jsonl is always written; nothing else needed
     "trainer.checkpoint_every_n_epochs=0",  # last.pt only: Mask R-CNN's checkpoint is 250 MB with momentum
+    "trainer.pictures=0",  # pictures are tested in tests/unit/test_report.py; here they would only cost time
 )
 
 
