@@ -227,6 +227,22 @@ FAULTS: tuple[Fault, ...] = (
           (("with _launcher_scope():  # quiet agent", "with contextlib.nullcontext():  # quiet agent"),),
           ("tests/distributed/test_launch.py::"
            "test_a_failing_rank_under_launch_is_one_exception_and_the_callers_handler_comes_back",)),
+    # -- issue 17: pretrained weights --------------------------------------------------------
+    Fault("pretrained weights fetched but never loaded", "src/gputrain/models/pretrained.py",
+          (("    model.load_state_dict(fitting, strict=False)\n", "    pass\n"),),
+          ("tests/e2e/test_pretrained.py::test_a_name_in_the_hub_cache_starts_from_exactly_those_tensors_with_a_new_head",)),
+    Fault("pretrained head loaded over the new head's shape check", "src/gputrain/models/pretrained.py",
+          (("if k in own and tuple(v.shape) == tuple(own[k].shape)}", "if k in own}"),),
+          ("tests/e2e/test_pretrained.py::test_a_name_in_the_hub_cache_starts_from_exactly_those_tensors_with_a_new_head",)),
+    Fault("weights downloaded without the hash check", "src/gputrain/models/pretrained.py",
+          (("match.group(1) if match else None", "None"),),
+          ("tests/e2e/test_pretrained.py::test_a_download_whose_hash_prefix_differs_is_refused_in_one_line",)),
+    Fault("data.download skips the archive's md5", "src/gputrain/data/download.py",
+          (("filename=filename, md5=md5)", "filename=filename, md5=None)"),),
+          ("tests/e2e/test_download.py::test_a_checksum_mismatch_is_one_line_and_leaves_no_archive",)),
+    Fault("data.download not run by the launcher", "src/gputrain/preflight.py",
+          (("    download_data(cfg)\n", "    pass\n"),),
+          ("tests/e2e/test_download.py::test_two_processes_train_on_data_downloaded_once_per_node",)),
 )
 
 

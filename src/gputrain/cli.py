@@ -78,6 +78,7 @@ def _prepare(cfg: RunConfig, args: argparse.Namespace) -> tuple[RunConfig, list[
         print(note, flush=True)
     preflight.check_packages(cfg)
     preflight.check_data_paths(cfg)
+    preflight.fetch_weights(cfg)
     return cfg, extra
 
 
@@ -186,6 +187,7 @@ def _check_recipe(args: argparse.Namespace) -> None:
     cfg = load_config(args.recipe, list(args.overrides))
     preflight.check_packages(cfg)
     preflight.check_data_paths(cfg)
+    preflight.fetch_weights(cfg)
 
 
 def cmd_bench_scale(args: argparse.Namespace, argv: Sequence[str]) -> int:

@@ -39,6 +39,12 @@ class DataConfig:
     """Annotation file for formats that have one (COCO instances JSON)."""
     val_fraction: float = 0.5
     """Share of ``root`` held out for validation when ``val_root`` is empty."""
+    download: bool = False
+    """Download the data set into ``root`` when it is not there (CIFAR-10, torchvision's URL and md5), once per node."""
+    download_url: str = ""
+    """A mirror of the archive for ``download``; empty means torchvision's URL."""
+    download_md5: str = ""
+    """The md5 of the archive at ``download_url``; empty means torchvision's."""
     split_seed: int = 0
     """Seed of the train/val split; independent of the training seed so splits stay put."""
     image_size: int = 0
@@ -58,6 +64,10 @@ class ModelConfig:
     name: str = ""
     kwargs: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments passed to the model's builder."""
+    weights: str = ""
+    """Pretrained weights to start from: a torchvision weights name for the model (``DEFAULT``, ``IMAGENET1K_V2``,
+    ``COCO_V1``; DeepLabv3+ takes its ResNet backbone's), a local state_dict file, or an http(s) URL. Fetched once per
+    node into the torch hub cache; tensors that do not fit (the new head) keep their initialisation (docs/fine-tuning.md)."""
 
 
 @dataclass(kw_only=True)

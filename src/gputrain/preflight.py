@@ -72,8 +72,12 @@ def check_data_paths(cfg: RunConfig) -> None:
     """``data.root`` (and ``val_root``, ``annotations`` when set) exist and are readable, for built-in tasks.
 
     A task of your own (``package.module:function``) reads what it likes, so it is not checked here.
+    With ``data.download=true`` the data set is downloaded first (once per node: this runs in the launcher).
     """
+    from gputrain.data.download import download_data
     from gputrain.tasks import BUILTIN_TASKS
+
+    download_data(cfg)
 
     if cfg.task not in BUILTIN_TASKS:
         return
@@ -122,3 +126,17 @@ def devices_note(strategy: str, devices: int, accelerator: str) -> str:
              else "its own options pick the GPUs it drives, e.g. trainer.dp_device_ids for dp")
     return (f"gputrain: strategy {strategy} runs {procs} process per node, so --devices {devices} starts no more "
             f"processes ({where}); use --strategy ddp for one process per device")
+
+
+def fetch_weights(cfg: RunConfig) -> None:
+    """Fetch ``model.weights`` into the torch hub cache once per node, before any worker starts.
+
+    The launcher is one process per node, so this is the one download of the node; the workers find
+    the file cached and only load it. Offline without the cached file: one line naming the file, its URL
+    and the folder to put it in.
+    """
+    if not cfg.model.weights or not cfg.model.name:  # no name yet: the task's default model fetches when built
+        return
+    from gputrain.models.pretrained import fetch, weights_source
+
+    fetch(weights_source(cfg.model.name, cfg.model.kwargs, cfg.model.weights))

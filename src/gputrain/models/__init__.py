@@ -43,4 +43,9 @@ def build_configured_model(cfg: ModelConfig, default: str, **derived: Any) -> nn
     """
     cfg.name = cfg.name or default
     cfg.kwargs = {**derived, **cfg.kwargs}
-    return build_model(cfg.name, **cfg.kwargs)
+    model = build_model(cfg.name, **cfg.kwargs)
+    if cfg.weights:
+        from gputrain.models.pretrained import apply_pretrained
+
+        apply_pretrained(model, cfg.name, cfg.kwargs, cfg.weights)
+    return model

@@ -77,6 +77,18 @@ def trained_as(saved: dict[str, Any]) -> str:
 
 def config_from_checkpoint(state: dict[str, Any], path: str | Path, *, recipe: str | None, overrides: list[str],
                            command: str = "eval") -> tuple[RunConfig, str]:
+    """The config to evaluate or export a checkpoint with, and a note to print (or ""); see :func:`_config_for`.
+
+    ``model.weights`` is cleared: the checkpoint holds the trained weights, so the pretrained ones it started
+    from are neither fetched nor loaded again (offline machines can evaluate what they trained).
+    """
+    cfg, note = _config_for(state, path, recipe=recipe, overrides=overrides, command=command)
+    cfg.model.weights = ""
+    return cfg, note
+
+
+def _config_for(state: dict[str, Any], path: str | Path, *, recipe: str | None, overrides: list[str],
+                command: str) -> tuple[RunConfig, str]:
     """The config to evaluate or export a checkpoint with, and a note to print (or "").
 
     Without a recipe: the saved config, then ``overrides``. With one that trains the same task and
