@@ -243,6 +243,13 @@ FAULTS: tuple[Fault, ...] = (
     Fault("data.download not run by the launcher", "src/gputrain/preflight.py",
           (("    download_data(cfg)\n", "    pass\n"),),
           ("tests/e2e/test_download.py::test_two_processes_train_on_data_downloaded_once_per_node",)),
+    Fault("frozen blocks keep training BatchNorm", "src/gputrain/models/finetune.py",
+          (("        freeze_batchnorm(model, only=inside)  #", "        pass  #"),),
+          ("tests/e2e/test_finetune.py::test_a_frozen_backbone_trains_only_the_head_and_keeps_its_statistics_in_train_mode",)),
+    Fault("eval rebuilds a fine-tuned model without its frozen BatchNorm", "src/gputrain/tools/from_checkpoint.py",
+          (("model = finetuned(build_model(cfg.model.name, **cfg.model.kwargs), cfg.model)",
+            "model = build_model(cfg.model.name, **cfg.model.kwargs)"),),
+          ("tests/e2e/test_finetune.py::test_fine_tuning_a_frozen_backbone_keeps_it_and_two_processes_equal_one",)),
 )
 
 

@@ -68,6 +68,11 @@ class ModelConfig:
     """Pretrained weights to start from: a torchvision weights name for the model (``DEFAULT``, ``IMAGENET1K_V2``,
     ``COCO_V1``; DeepLabv3+ takes its ResNet backbone's), a local state_dict file, or an http(s) URL. Fetched once per
     node into the torch hub cache; tensors that do not fit (the new head) keep their initialisation (docs/fine-tuning.md)."""
+    freeze: list[str] = field(default_factory=list)
+    """Blocks whose parameters do not train and whose BatchNorm is frozen: dotted module names (``layer1``,
+    ``backbone.body.layer2``) or ``backbone`` (a classifier without one: every block but the head)."""
+    frozen_batchnorm: bool = False
+    """Every BatchNorm becomes ``FrozenBatchNorm2d`` (fixed statistics), as torchvision's detection references do."""
 
 
 @dataclass(kw_only=True)

@@ -48,4 +48,13 @@ def build_configured_model(cfg: ModelConfig, default: str, **derived: Any) -> nn
         from gputrain.models.pretrained import apply_pretrained
 
         apply_pretrained(model, cfg.name, cfg.kwargs, cfg.weights)
-    return model
+    return finetuned(model, cfg)
+
+
+def finetuned(model: nn.Module, cfg: ModelConfig) -> nn.Module:
+    """``model`` with ``cfg``'s frozen blocks and BatchNorm; a checkpoint's model is rebuilt with them too."""
+    if not cfg.freeze and not cfg.frozen_batchnorm:
+        return model
+    from gputrain.models.finetune import apply_finetuning
+
+    return apply_finetuning(model, cfg.freeze, cfg.frozen_batchnorm)

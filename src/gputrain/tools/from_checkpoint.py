@@ -168,10 +168,10 @@ def load_fitting(model: nn.Module, weights: dict[str, torch.Tensor], *, path: st
 
 def build_fitting_model(cfg: RunConfig, state: dict[str, Any], path: str | Path) -> nn.Module:
     """The model ``cfg`` names, with the checkpoint's weights loaded (or the one-line misfit error)."""
-    from gputrain.models import build_model
+    from gputrain.models import build_model, finetuned
 
     try:
-        model = build_model(cfg.model.name, **cfg.model.kwargs)
+        model = finetuned(build_model(cfg.model.name, **cfg.model.kwargs), cfg.model)  # frozen BN: its own keys
     except TypeError as err:  # an argument the builder does not take
         raise ValueError(f"model.name={cfg.model.name} model.kwargs={cfg.model.kwargs}: {err}") from None
     return load_fitting(model, state["model"], path=path, cfg=cfg, saved=saved_config(state))

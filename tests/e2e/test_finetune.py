@@ -1,0 +1,98 @@
+"""model.freeze and model.frozen_batchnorm: what stays fixed, and that parity and evaluation hold with them."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torchvision
+from torch import nn
+from torchvision.ops import FrozenBatchNorm2d
+
+from gputrain.config import ModelConfig
+from gputrain.models import build_configured_model
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true"}
+
+
+def _resnet18(**model: object) -> nn.Module:
+    return build_configured_model(ModelConfig(name="resnet18", kwargs={"cifar_stem": True}, **model), "resnet18",
+                                  num_classes=10)
+
+
+def test_a_frozen_backbone_trains_only_the_head_and_keeps_its_statistics_in_train_mode():
+    model = _resnet18(freeze=["backbone"])
+    assert [n for n, p in model.named_parameters() if p.requires_grad] == ["fc.weight", "fc.bias"]
+    assert not any(isinstance(m, nn.BatchNorm2d) for m in model.modules())
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    model.train()
+    model(torch.randn(4, 3, 32, 32) * 5 + 3).sum().backward()
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)  # train-mode forward changed no statistic
+
+
+def test_named_blocks_freeze_and_the_rest_trains():
+    model = _resnet18(freeze=["conv1", "bn1", "layer1"])
+    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
+    assert frozen == {n for n, _ in model.named_parameters() if n.split(".")[0] in ("conv1", "bn1", "layer1")}
+    assert isinstance(model.layer1[0].bn1, FrozenBatchNorm2d) and isinstance(model.layer2[0].bn1, nn.BatchNorm2d)
+
+
+def test_an_unknown_block_is_one_line_naming_the_children():
+    with pytest.raises(ValueError, match=r"^model.freeze: ResNet has no block 'layer9'; give dotted names of its "
+                                         r"modules \(its children: conv1, bn1, relu, maxpool, layer1,"):
+        _resnet18(freeze=["layer9"])
+
+
+def test_frozen_batchnorm_replaces_every_batchnorm_of_mask_rcnn_keeping_its_tensors():
+    torch.manual_seed(0)
+    cfg = ModelConfig(name="maskrcnn_resnet50_fpn", kwargs={"backbone": "resnet18", "min_size": 64, "max_size": 64})
+    plain = build_configured_model(cfg, "maskrcnn_resnet50_fpn", num_classes=3)
+    torch.manual_seed(0)
+    cfg.frozen_batchnorm = True
+    frozen = build_configured_model(cfg, "maskrcnn_resnet50_fpn", num_classes=3)
+    assert not any(isinstance(m, nn.BatchNorm2d) for m in frozen.modules())
+    assert any(isinstance(m, FrozenBatchNorm2d) for m in frozen.modules())
+    plain_state = plain.state_dict()
+    for key, value in frozen.state_dict().items():
+        assert torch.equal(value, plain_state[key]), key
+
+
+def _train(out: Path, data: Path, weights: Path, *flags: str) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "gputrain", "train", "cifar10-resnet18", "--strategy", "ddp", "--epochs", "1",
+         "--data-root", str(data), "--out", str(out), f"model.weights={weights}", "model.freeze=[backbone]",
+         "trainer.max_steps_per_epoch=2", "trainer.pictures=0", "trainer.progress_bar=false", "trainer.loggers=[]",
+         "data.augment=false", *flags],
+        capture_output=True, text=True, env=ENV, timeout=300)
+    assert done.returncode == 0, done.stderr
+
+
+def test_fine_tuning_a_frozen_backbone_keeps_it_and_two_processes_equal_one(tmp_path):
+    data = tmp_path / "cifar"
+    made = subprocess.run([sys.executable, "-m", "gputrain", "data", "make", "cifar10", "--out", str(data), "--count",
+                           "40"], capture_output=True, text=True, env=ENV)
+    assert made.returncode == 0, made.stderr
+    torch.manual_seed(3)
+    start = torchvision.models.resnet18(weights=None).state_dict()
+    start = {k: (torch.randn_like(v) * 0.05 if v.is_floating_point() else v) for k, v in start.items()}
+    start.update({k: v.abs() + 0.5 for k, v in start.items() if k.endswith("running_var")})
+    torch.save(start, tmp_path / "start.pth")
+    _train(tmp_path / "one", data, tmp_path / "start.pth", "--devices", "1", "--batch-size", "8")
+    _train(tmp_path / "two", data, tmp_path / "start.pth", "--devices", "2", "--batch-size", "4")
+    one = torch.load(tmp_path / "one" / "checkpoints" / "last.pt", weights_only=True)["model"]
+    two = torch.load(tmp_path / "two" / "checkpoints" / "last.pt", weights_only=True)["model"]
+    for key, value in start.items():  # conv1 is the CIFAR stem's: another shape, fresh and frozen
+        if not key.startswith(("fc.", "conv1.")) and not key.endswith("num_batches_tracked"):
+            assert torch.equal(one[key], value), key
+    assert not torch.equal(one["fc.weight"], two["fc.weight"] * 0)  # the head trained
+    torch.testing.assert_close(one["fc.weight"], two["fc.weight"], rtol=0, atol=1e-6)
+    done = subprocess.run([sys.executable, "-m", "gputrain", "eval", "--checkpoint",
+                           str(tmp_path / "two" / "checkpoints" / "last.pt"), "--out", str(tmp_path / "eval")],
+                          capture_output=True, text=True, env={**ENV, "TORCH_HOME": str(tmp_path / "no_home")},
+                          timeout=300)
+    assert done.returncode == 0, done.stderr  # rebuilt with FrozenBatchNorm; the start weights are not fetched again
