@@ -250,6 +250,9 @@ FAULTS: tuple[Fault, ...] = (
           (("model = finetuned(build_model(cfg.model.name, **cfg.model.kwargs), cfg.model)",
             "model = build_model(cfg.model.name, **cfg.model.kwargs)"),),
           ("tests/e2e/test_finetune.py::test_fine_tuning_a_frozen_backbone_keeps_it_and_two_processes_equal_one",)),
+    Fault("pretrained tensors trained at the head's learning rate", "src/gputrain/optim.py",
+          (('"lr": cfg.lr * cfg.pretrained_lr_scale}', '"lr": cfg.lr}'),),
+          ("tests/e2e/test_finetune.py::test_pretrained_tensors_get_their_own_learning_rate_and_the_head_keeps_lr",)),
 )
 
 

@@ -86,6 +86,9 @@ class OptimConfig:
     """SGD momentum (ignored by Adam)."""
     weight_decay: float = 0.0
     nesterov: bool = False
+    pretrained_lr_scale: float = 1.0
+    """Learning-rate multiplier for the tensors ``model.weights`` loaded (the new head keeps ``lr``): 0.1 trains the
+    pretrained layers 10x slower."""
     scale_lr: str = "none"
     """Rescale ``lr`` for the actual global batch: none, linear (lr x G/reference) or sqrt (lr x sqrt(G/reference))."""
     reference_batch: int = 256

@@ -86,6 +86,7 @@ RANGES: dict[str, Range] = {
     "optim.lr": Range(gt=0, le=100),
     "optim.momentum": Range(ge=0, lt=1),
     "optim.weight_decay": Range(ge=0, le=1),
+    "optim.pretrained_lr_scale": Range(gt=0, le=1000, example="e.g. 0.1 for pretrained layers 10x slower than the head"),
     "optim.reference_batch": COUNT,
     "scheduler.warmup_steps": COUNT_OR_OFF,
     "scheduler.power": Range(gt=0, le=100),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import nn
@@ -11,9 +12,12 @@ from gputrain.config import OptimConfig, SchedulerConfig
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
-    params = [p for p in model.parameters() if p.requires_grad]
-    if not params:
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if not named:
         raise ValueError("the model has no trainable parameters (every requires_grad is False)")
+    params: list[Any] = [p for _, p in named]
+    if cfg.pretrained_lr_scale != 1:
+        params = _pretrained_groups(model, named, cfg)
     name = cfg.name.lower()
     if name == "sgd":
         return torch.optim.SGD(
@@ -75,3 +79,19 @@ def scaled_lr(lr: float, global_batch: int, reference_batch: int, rule: str) -> 
         return lr
     ratio = global_batch / reference_batch
     return lr * ratio if rule == "linear" else lr * math.sqrt(ratio)
+
+
+def _pretrained_groups(model: nn.Module, named: list[tuple[str, nn.Parameter]], cfg: OptimConfig) -> list[Any]:
+    """Two parameter groups: the tensors ``model.weights`` loaded at ``lr * pretrained_lr_scale``, the rest at ``lr``.
+
+    The scheduler multiplies each group's rate by the same factor, and checkpoints hold both groups.
+    """
+    pretrained = getattr(model, "gputrain_pretrained", None)
+    if pretrained is None:
+        raise ValueError(f"optim.pretrained_lr_scale={cfg.pretrained_lr_scale} scales the tensors model.weights "
+                         f"loaded, and this model has none; set model.weights (with a strategy that keeps the whole "
+                         f"model in each process, not pipeline) or drop optim.pretrained_lr_scale")
+    new = [p for n, p in named if n not in pretrained]
+    old = [p for n, p in named if n in pretrained]
+    groups = [{"params": new}] if new else []
+    return groups + ([{"params": old, "lr": cfg.lr * cfg.pretrained_lr_scale}] if old else [])

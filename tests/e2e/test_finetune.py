@@ -96,3 +96,21 @@ def test_fine_tuning_a_frozen_backbone_keeps_it_and_two_processes_equal_one(tmp_
                           capture_output=True, text=True, env={**ENV, "TORCH_HOME": str(tmp_path / "no_home")},
                           timeout=300)
     assert done.returncode == 0, done.stderr  # rebuilt with FrozenBatchNorm; the start weights are not fetched again
+
+
+def test_pretrained_tensors_get_their_own_learning_rate_and_the_head_keeps_lr(tmp_path):
+    from gputrain.config import OptimConfig
+    from gputrain.optim import build_optimizer
+
+    torch.save(torchvision.models.resnet18(weights=None).state_dict(), tmp_path / "start.pth")
+    model = _resnet18(weights=str(tmp_path / "start.pth"), freeze=["layer1"])
+    optimizer = build_optimizer(model, OptimConfig(name="sgd", lr=0.2, pretrained_lr_scale=0.1))
+    head, pretrained = optimizer.param_groups
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert head["lr"] == 0.2 and {names[id(p)] for p in head["params"]} == {"conv1.weight", "fc.weight", "fc.bias"}
+    assert pretrained["lr"] == pytest.approx(0.02)
+    assert {names[id(p)] for p in pretrained["params"]} == {
+        n for n, p in model.named_parameters() if p.requires_grad and n not in ("conv1.weight", "fc.weight", "fc.bias")}
+    with pytest.raises(ValueError, match=r"^optim.pretrained_lr_scale=0.1 scales the tensors model.weights loaded, "
+                                         r"and this model has none; set model.weights"):
+        build_optimizer(_resnet18(), OptimConfig(lr=0.2, pretrained_lr_scale=0.1))

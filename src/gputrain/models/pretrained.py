@@ -110,6 +110,9 @@ def apply_pretrained(model: nn.Module, model_name: str, kwargs: dict[str, Any], 
         raise ValueError(f"model.weights={weights!r}: no tensor of {path} fits {model_name}; check model.name and "
                          f"model.kwargs match the model the weights were saved from")
     model.load_state_dict(fitting, strict=False)
+    parameters = {name for name, _ in model.named_parameters()}
+    # optim.pretrained_lr_scale gives these their own learning rate (read by gputrain.optim.build_optimizer)
+    object.__setattr__(model, "gputrain_pretrained", frozenset(k for k in fitting if k in parameters))
     fresh = [k for k in own if k not in fitting and not k.endswith("num_batches_tracked")]
     if os.environ.get("RANK", "0") == "0":  # every rank loads; one says what was loaded
         new = f"; kept fresh (not in the weights or another shape): {', '.join(_tensor_groups(fresh))}" if fresh else ""
