@@ -200,6 +200,15 @@ def cmd_bench_scale(args: argparse.Namespace, argv: Sequence[str]) -> int:
     return EXIT_OK
 
 
+def cmd_bench_throughput(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    _check_recipe(args)
+    from gputrain.tools.throughput import run_bench_throughput
+
+    run_bench_throughput(args.recipe, epochs=args.epochs, out=args.out, overwrite=args.overwrite,
+                         overrides=list(args.overrides), json_path=args.json)
+    return EXIT_OK
+
+
 def cmd_export_onnx(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from gputrain.run_folder import check_output_file
     from gputrain.tools.export import export_onnx
@@ -254,6 +263,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     from gputrain.cli_parser import build_parser
 
     handlers = {"train": cmd_train, "eval": cmd_eval, "data make": cmd_data_make, "bench scale": cmd_bench_scale,
+                "bench throughput": cmd_bench_throughput,
                 "export onnx": cmd_export_onnx, "parity": cmd_parity, "doctor": cmd_doctor, "env": cmd_env,
                 "predict": cmd_predict, "report": cmd_report}
     parser = build_parser(DESCRIPTION, EPILOG, __version__, TRAINING_ONLY, handlers)

@@ -29,6 +29,7 @@ commands:
   report RUN_DIR                         draw curves.png and samples.png of a run
   data make KIND --out DIR               write a small sample data set in a real on-disk format
   bench scale RECIPE --devices 1,2       time a recipe over device counts and batch sizes
+  bench throughput RECIPE [--json F]     images/s with real and synthetic data, input-bound ratio, FLOPs, memory
   parity RECIPE                          do all ways of running a recipe train the same model?
   doctor RECIPE                          a short dry run on real ranks that reports distributed mistakes
   env                                    versions, devices and distributed settings of this machine
@@ -180,6 +181,16 @@ def build_parser(description: str, epilog: str, version: str, eval_hidden: Seque
     scale.add_argument("--out", default=None, help="folder for scale.json/md/png (default: a new runs/scale-DATE-TIME)")
     scale.add_argument("--overwrite", action="store_true", help="replace the contents of a non-empty --out")
     scale.set_defaults(func=handlers["bench scale"])
+
+    tput = bench.add_parser("throughput", help="training images/s with real and synthetic data, FLOPs, memory")
+    tput.add_argument("recipe")
+    tput.add_argument("overrides", nargs="*")
+    tput.add_argument("--epochs", type=int, default=3, help="epochs per run; the first is not timed")
+    tput.add_argument("--json", default=None, help="also write the result to this JSON file")
+    add_common_flags(tput)
+    tput.add_argument("--out", default=None, help="folder for the two runs (default: a new runs/scale-DATE-TIME)")
+    tput.add_argument("--overwrite", action="store_true", help="replace the contents of a non-empty --out")
+    tput.set_defaults(func=handlers["bench throughput"])
 
     export = sub.add_parser("export", help="export models").add_subparsers(dest="export_command", required=True)
     onnx = export.add_parser("onnx", help="export a checkpoint to ONNX and check it with onnxruntime")

@@ -39,6 +39,9 @@ class DataConfig:
     """Annotation file for formats that have one (COCO instances JSON)."""
     val_fraction: float = 0.5
     """Share of ``root`` held out for validation when ``val_root`` is empty."""
+    synthetic: bool = False
+    """Train on the first few real samples kept on the device, repeated: the recipe's shapes without input cost
+    (for measuring model speed, ``gputrain bench throughput``; not for learning)."""
     download: bool = False
     """Download the data set into ``root`` when it is not there (CIFAR-10, torchvision's URL and md5), once per node."""
     download_url: str = ""

@@ -133,10 +133,13 @@ class Trainer:
 
     def _loader(self, data: Dataset, *, train: bool) -> DataLoader:
         t, workers = self.cfg.trainer, int(self.cfg.data.num_workers)  # "auto" was resolved at setup
+        synthetic = train and self.cfg.data.synthetic
+        workers = 0 if synthetic else workers  # device-resident samples: collated where they are, no workers
         # A generator of the loader's own: starting an epoch's iterator draws a worker seed from it, which
         # from the global generator would shift dropout's stream and break a mid-epoch resume.
         common: dict[str, Any] = dict(collate_fn=self.task.collate_fn(), num_workers=workers,
-                                      pin_memory=self.dist.device.type == "cuda", persistent_workers=workers > 0,
+                                      pin_memory=self.dist.device.type == "cuda" and not synthetic,
+                                      persistent_workers=workers > 0,
                                       generator=torch.Generator().manual_seed(t.seed))
         if not train:
             return DataLoader(data, batch_size=t.eval_batch_size or t.batch_size,
@@ -144,6 +147,10 @@ class Trainer:
         self.batch_sampler = StepBatchSampler(
             len(data), dp_rank=self.strategy.dp_rank, dp_size=self.strategy.dp_size,  # type: ignore[arg-type]
             batch_size=t.batch_size, accumulate=t.accumulate_grad_batches, seed=t.seed, drop_last=t.drop_last)
+        if synthetic:
+            from gputrain.data.synthetic import DeviceResidentSamples
+
+            data = DeviceResidentSamples(data, self.dist.device)
         return DataLoader(SeededSamples(data, t.seed), batch_sampler=self.batch_sampler, **common)
 
     def _check_same_length(self, train_data: Dataset) -> None:
@@ -288,6 +295,8 @@ class Trainer:
                 eval_start = time.perf_counter()
                 metrics |= {f"val/{k}": v for k, v in self.evaluate().items()}
                 metrics["time/val_s"] = time.perf_counter() - eval_start
+                val_count = len(self.val_loader.dataset)  # type: ignore[arg-type]  # every sample once (exact eval)
+                metrics["time/val_images_per_s"] = val_count / max(metrics["time/val_s"], 1e-9)
             metrics["time/epoch_s"] = metrics["time/train_s"] + metrics.get("time/val_s", 0.0)
             self._call("after_epoch", metrics)
         summary = write_summary(self, metrics, time.perf_counter() - start, train_time, train_samples)

@@ -13,6 +13,7 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import nn
 
 from gputrain.config import RunConfig
@@ -70,9 +71,19 @@ def write_summary(trainer: Trainer, metrics: dict[str, float], wall_s: float, tr
         "wall_s": wall_s,
         "train_s": train_s,
         "images_per_s": samples / train_s if train_s > 0 else 0.0,
+        "peak_memory_bytes": peak_memory_bytes(trainer.dist.device),
     }
     if trainer.dist.is_main:
         from gputrain.hooks.logging import strict_json
 
         (trainer.out / "summary.json").write_text(strict_json(summary, indent=2))
     return summary
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """This process's peak memory: CUDA's allocator peak on a GPU, the peak resident set size on a CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    import resource
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB

@@ -1,0 +1,145 @@
+"""``gputrain bench throughput RECIPE``: images/s with real and with synthetic data, FLOPs, utilisation, memory.
+
+Two short runs of the recipe on one device, as users run it (``gputrain train`` in a subprocess): one with
+the real input pipeline, one with ``data.synthetic=true`` (samples kept on the device, no decoding). Their
+ratio is the input-bound ratio: 1.0 means the loader keeps up, 0.5 that the model waits half the time.
+Epochs after the first are timed (the first pays for start-up, caches and any compilation).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+PEAK_FLOPS = {"H100": {"bf16": 989e12, "fp32": 67e12}, "H200": {"bf16": 989e12, "fp32": 67e12},
+              "A100": {"bf16": 312e12, "fp32": 19.5e12}}
+"""Dense peak FLOP/s by GPU name (NVIDIA's data sheets, SXM parts, without sparsity); utilisation is reported
+against these where the device is one of them."""
+
+
+@dataclass
+class Throughput:
+    recipe: str
+    device: str
+    precision: str
+    batch_size: int
+    train_images_per_s: float
+    synthetic_train_images_per_s: float
+    input_bound_ratio: float
+    eval_images_per_s: float | None
+    flops_per_image: float | None
+    """Training FLOPs of one image (forward and backward), counted by torch.utils.flop_counter."""
+    model_flops_utilisation: float | None
+    peak_memory_bytes: int
+    compile_s: float | None
+    """None: the run does not compile the model (trainer.compile is not built yet)."""
+
+
+def _run(recipe: str, out: Path, overrides: list[str], *, epochs: int, synthetic: bool) -> tuple[dict, list[dict]]:
+    from gputrain.tools.scale import _error_line
+
+    cmd = [sys.executable, "-m", "gputrain", "train", recipe, "--devices", "1", "--epochs", str(epochs), "--out",
+           str(out), "trainer.progress_bar=false", "trainer.checkpoint_every_n_epochs=0", "trainer.loggers=[]",
+           "trainer.pictures=0", "trainer.enable_checkpointing=false", *overrides,
+           f"data.synthetic={str(synthetic).lower()}"]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        kind = "synthetic" if synthetic else "real"
+        raise ValueError(f"bench throughput: the {kind}-data run failed (exit {done.returncode}): "
+                         f"{_error_line(done.stderr)} (its folder: {out})")
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return json.loads((out / "summary.json").read_text()), [r for r in records if "time/train_s" in r]
+
+
+def _steady(epochs: list[dict], key: str) -> float | None:
+    values = [r[key] for r in (epochs[1:] or epochs) if key in r]
+    return sorted(values)[len(values) // 2] if values else None
+
+
+def flops_per_image(recipe: str, overrides: list[str]) -> float | None:
+    """Forward+backward FLOPs of one training image of the recipe's model, on the CPU (shapes only matter)."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from gputrain.config import load_config
+    from gputrain.tasks import build_task
+
+    cfg = load_config(recipe, overrides)
+    try:
+        built = build_task(cfg)
+        sample = built.train_data[0]
+        images = sample[0] if isinstance(sample, (tuple, list)) else sample
+        if not isinstance(images, torch.Tensor) or images.dim() != 3:
+            return None  # detection and other structured inputs: not counted
+        model = built.model.train()
+        counter = FlopCounterMode(display=False)
+        with counter:
+            out = model(images.unsqueeze(0))
+            (out if isinstance(out, torch.Tensor) else next(iter(out.values()))).float().sum().backward()
+        return float(counter.get_total_flops())
+    except Exception:  # a count is a nicety: never fail the benchmark for it
+        return None
+
+
+def bench_throughput(recipe: str, *, epochs: int, out: Path, overrides: list[str]) -> Throughput:
+    real_summary, real = _run(recipe, out / "real", overrides, epochs=epochs, synthetic=False)
+    synth_summary, synth = _run(recipe, out / "synthetic", overrides, epochs=epochs, synthetic=True)
+    real_ips, synth_ips = _steady(real, "train/images_per_s") or 0.0, _steady(synth, "train/images_per_s") or 0.0
+    flops = flops_per_image(recipe, overrides)
+    device = real_summary["device"]
+    mfu = None
+    if flops and device.startswith("cuda"):
+        import torch
+
+        name = torch.cuda.get_device_name(0)
+        peak = next((p for key, p in PEAK_FLOPS.items() if key in name), None)
+        if peak:
+            kind = "bf16" if "bf16" in real_summary["precision"] or "16" in real_summary["precision"] else "fp32"
+            mfu = synth_ips * flops / peak[kind]
+    return Throughput(
+        recipe=recipe, device=device, precision=real_summary["precision"],
+        batch_size=real_summary["batch_size_per_device"], train_images_per_s=real_ips,
+        synthetic_train_images_per_s=synth_ips, input_bound_ratio=real_ips / synth_ips if synth_ips else 0.0,
+        eval_images_per_s=_steady(real, "time/val_images_per_s"), flops_per_image=flops,
+        model_flops_utilisation=mfu,
+        peak_memory_bytes=max(real_summary.get("peak_memory_bytes", 0), synth_summary.get("peak_memory_bytes", 0)),
+        compile_s=None)
+
+
+def table(result: Throughput) -> str:
+    def fmt(value: Any, unit: str = "") -> str:
+        if value is None:
+            return "n/a"
+        return f"{value:,.1f}{unit}" if isinstance(value, float) else f"{value}{unit}"
+
+    rows = [("device", result.device), ("precision", result.precision), ("batch per device", result.batch_size),
+            ("train images/s, real data", fmt(result.train_images_per_s)),
+            ("train images/s, synthetic data", fmt(result.synthetic_train_images_per_s)),
+            ("input-bound ratio (real / synthetic)", f"{result.input_bound_ratio:.2f}"),
+            ("eval images/s, real data", fmt(result.eval_images_per_s)),
+            ("training GFLOPs per image", "n/a" if result.flops_per_image is None else f"{result.flops_per_image / 1e9:.3g}"),
+            ("model FLOPs utilisation", fmt(result.model_flops_utilisation and 100 * result.model_flops_utilisation, " %")),
+            ("peak memory", f"{result.peak_memory_bytes / 2**20:,.0f} MiB"),
+            ("compile time", fmt(result.compile_s, " s"))]
+    return "\n".join(["| measure | value |", "|---|---|", *[f"| {k} | {v} |" for k, v in rows]])
+
+
+def run_bench_throughput(recipe: str, *, epochs: int, out: str | None, overwrite: bool, overrides: list[str],
+                         json_path: str | None) -> None:
+    from gputrain.hooks.logging import strict_json
+    from gputrain.tools.scale import _out_folder
+
+    folder = _out_folder(out, overwrite)
+    start = time.perf_counter()
+    result = bench_throughput(recipe, epochs=epochs, out=folder, overrides=overrides)
+    text = strict_json(asdict(result), indent=2)
+    (folder / "throughput.json").write_text(text)
+    if json_path:
+        Path(json_path).write_text(text)
+    print(table(result))
+    print(f"bench throughput: {time.perf_counter() - start:.0f} s; runs in {folder}")

@@ -1,0 +1,61 @@
+"""data.synthetic and `gputrain bench throughput`: shapes of synthetic batches, and the JSON a user scripts against."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import torch
+
+from gputrain.config import load_config
+from gputrain.data.synthetic import DeviceResidentSamples
+from gputrain.tasks import build_task
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true"}
+
+
+def _make(kind: str, out, count: int) -> None:
+    done = subprocess.run([sys.executable, "-m", "gputrain", "data", "make", kind, "--out", str(out), "--count",
+                           str(count)], capture_output=True, text=True, env=ENV)
+    assert done.returncode == 0, done.stderr
+
+
+def _flat(sample):
+    if isinstance(sample, torch.Tensor):
+        return [(tuple(sample.shape), sample.dtype)]
+    if isinstance(sample, dict):
+        return [x for k in sorted(sample) for x in _flat(sample[k])]
+    if isinstance(sample, (list, tuple)):
+        return [x for v in sample for x in _flat(v)]
+    return [type(sample)]
+
+
+def test_synthetic_samples_have_the_recipes_shapes_and_dtypes(tmp_path):
+    for recipe, kind in (("autoencoder", "imagefolder"), ("cifar10-resnet18", "cifar10"),
+                         ("ade20k-deeplabv3plus", "ade20k")):
+        _make(kind, tmp_path / kind, 24)
+        spec = build_task(load_config(recipe, [f"data.root={tmp_path / kind}", "data.image_size=64"]
+                                      if kind == "ade20k" else [f"data.root={tmp_path / kind}"]))
+        synthetic = DeviceResidentSamples(spec.train_data, torch.device("cpu"))
+        assert len(synthetic) == len(spec.train_data)
+        for index in (0, 3, len(synthetic) - 1):
+            assert _flat(synthetic[index]) == _flat(spec.train_data[index % 8]), recipe
+
+
+def test_bench_throughput_prints_a_table_and_writes_the_json_keys(tmp_path):
+    _make("imagefolder", tmp_path / "frames", 48)
+    done = subprocess.run([sys.executable, "-m", "gputrain", "bench", "throughput", "autoencoder", "--data-root",
+                           str(tmp_path / "frames"), "--out", str(tmp_path / "out"), "--json", str(tmp_path / "t.json"),
+                           "--epochs", "2", "trainer.batch_size=8"], capture_output=True, text=True, env=ENV,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    result = json.loads((tmp_path / "t.json").read_text())
+    for key in ("train_images_per_s", "synthetic_train_images_per_s", "input_bound_ratio", "peak_memory_bytes"):
+        assert result[key] > 0, key
+    assert result["input_bound_ratio"] == result["train_images_per_s"] / result["synthetic_train_images_per_s"]
+    assert result["flops_per_image"] > 1e6 and result["eval_images_per_s"] > 0
+    assert "| input-bound ratio (real / synthetic) |" in done.stdout
+    assert "synthetic: true" in (tmp_path / "out" / "synthetic" / "config.yaml").read_text()
+    assert "synthetic: false" in (tmp_path / "out" / "real" / "config.yaml").read_text()
