@@ -1,6 +1,7 @@
-"""Vision models built from torchvision with ``weights=None``: nothing is downloaded, ever.
+"""Vision models built from torchvision with ``weights=None``: the builders never download.
 
-Pretrained weights come only from a local file (``weights_path``), loaded with
+Pretrained weights are applied after building, by ``model.weights`` (:mod:`gputrain.models.pretrained`,
+fetched once per node by the launcher) or from a local file (``weights_path``); both load with
 ``torch.load(..., weights_only=True)`` so a malicious pickle cannot run code. Model code
 knows nothing about parallelism; strategies wrap these modules.
 """
