@@ -34,13 +34,13 @@ class _Images(torch.utils.data.Dataset):
 
 
 def _train(out: str, strategy: str, devices: int, batch_size: int, accumulate: int = 1, epochs: int = 2,
-           resume: str = "") -> dict[str, torch.Tensor]:
+           resume: str = "", accelerator: str = "cpu", **options: object) -> dict[str, torch.Tensor]:
     torch.manual_seed(0)
     model = ConvAutoencoder()
     cfg = RunConfig(optim=OptimConfig(name="sgd", lr=0.5, momentum=0.9))
-    trainer = Trainer(cfg, strategy=strategy, devices=devices, accelerator="cpu", batch_size=batch_size,
+    trainer = Trainer(cfg, strategy=strategy, devices=devices, accelerator=accelerator, batch_size=batch_size,
                       accumulate_grad_batches=accumulate, epochs=epochs, out=out, progress_bar=False,
-                      loggers=[], resume=resume, log_every_n_steps=1)
+                      loggers=[], resume=resume, log_every_n_steps=1, **options)
     trainer.fit(model, _Images(), _Images(), task=ReconstructionTask())
     return {k: v.clone() for k, v in trainer.strategy.model_state_dict(trainer.module).items()}
 

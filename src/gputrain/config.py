@@ -89,6 +89,9 @@ class OptimConfig:
     """SGD momentum (ignored by Adam)."""
     weight_decay: float = 0.0
     nesterov: bool = False
+    fused: bool | str = "auto"
+    """Fused optimizer kernels (one kernel for all parameters): auto (on when the parameters are on a GPU), true or
+    false."""
     pretrained_lr_scale: float = 1.0
     """Learning-rate multiplier for the tensors ``model.weights`` loaded (the new head keeps ``lr``): 0.1 trains the
     pretrained layers 10x slower."""
@@ -151,8 +154,8 @@ class TrainerConfig:
     """auto, cpu or cuda."""
     devices: int = 1
     """Processes per node for ddp (one per GPU); GPUs of one process for dp use ``dp_device_ids``."""
-    precision: str = "32"
-    """32, 16-mixed or bf16-mixed."""
+    precision: str = "auto"
+    """auto (bf16-mixed on a GPU with bfloat16, else 32), 32, 16-mixed or bf16-mixed."""
     epochs: int = 10
     batch_size: int = 32
     """Per device (per process). The global batch is batch_size x world size x accumulation."""
@@ -204,6 +207,17 @@ class TrainerConfig:
     """Stop each epoch after this many optimizer steps (smoke tests, parity); 0 means the whole epoch."""
     async_checkpoint: bool = True
     """Write checkpoints in a background thread: the step only copies the state (sharded checkpoints stay synchronous)."""
+    channels_last: bool | str = "auto"
+    """Channels-last memory format for the model and its image batches: auto (on CUDA for fixed-shape images, not
+    detection), true or false (docs/performance.md)."""
+    compile: bool = False
+    """``torch.compile`` the model (per stage for model_parallel and pipeline, per sharded block for fsdp); the first
+    steps pay the compile time, printed apart from step time. Off by default: it pays back on long GPU runs only."""
+    compile_mode: str = "default"
+    """torch.compile mode: default, reduce-overhead, max-autotune or max-autotune-no-cudagraphs."""
+    cudnn_benchmark: bool | str = "auto"
+    """Let cuDNN time its convolution algorithms on the first batches: auto (on CUDA for fixed-shape images), true
+    or false."""
     pictures: int = 8
     """Validation images drawn in samples.png at the end of training (and sent to TensorBoard/W&B at each
     evaluation); curves.png is written beside it. 0 writes neither picture (docs/report.md)."""

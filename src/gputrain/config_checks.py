@@ -161,6 +161,17 @@ def check_combinations(cfg: RunConfig) -> None:
     if isinstance(cfg.data.num_workers, str) and cfg.data.num_workers != "auto":
         raise ValueError(f"data.num_workers={cfg.data.num_workers!r} must be a count of at least 0 or auto "
                          "(the cores of the node divided by its processes)")
+    for name, value in (("trainer.channels_last", t.channels_last), ("trainer.cudnn_benchmark", t.cudnn_benchmark),
+                        ("optim.fused", cfg.optim.fused)):
+        if isinstance(value, str) and value != "auto":
+            raise ValueError(f"{name}={value!r} must be auto, true or false")
+    from gputrain.fast_path import COMPILE_MODES
+
+    if t.compile and t.strategy == "dp":
+        raise ValueError("trainer.compile=true does not work with strategy dp (nn.DataParallel copies the model to "
+                         "each GPU at every step); use --strategy ddp, or trainer.compile=false")
+    if t.compile_mode not in COMPILE_MODES:
+        raise ValueError(f"trainer.compile_mode={t.compile_mode!r} is unknown; choose {', '.join(COMPILE_MODES)}")
     if t.monitor_mode not in ("min", "max"):
         raise ValueError(f"trainer.monitor_mode={t.monitor_mode!r} is not min or max")
     if not launch.node_rank < launch.nnodes:

@@ -24,6 +24,7 @@ from gputrain.config import validate as check_config
 from gputrain.data.samplers import SeededSamples, StepBatchSampler
 from gputrain.dist import DistInfo, init_distributed, restart_attempt
 from gputrain.errors import Interrupted
+from gputrain.fast_path import FastPath, resolve_precision
 from gputrain.hooks.base import Hook
 from gputrain.loop_state import TrainState, seed_everything
 from gputrain.optim import build_scheduler
@@ -71,6 +72,8 @@ class Trainer:
         self.checkpoint_writer: Any = None
         """Writes into ``checkpoints`` (:class:`~gputrain.checkpoint_writer.CheckpointWriter`); None when off."""
         self.hooks: list[Hook] = []
+        self.first_step_s: float | None = None
+        """Seconds of this process's first optimizer step (compilation included when ``trainer.compile``)."""
 
     # -- setup ---------------------------------------------------------------------------
     def prepare(self, *, for_training: bool = True) -> Path:
@@ -94,6 +97,10 @@ class Trainer:
             self.cfg = dataclasses.replace(self.cfg, trainer=dataclasses.replace(t, resume="auto"))
             t = self.cfg.trainer
         self.dist: DistInfo = init_distributed(t.accelerator, timeout_s=t.timeout_s)
+        precision = resolve_precision(t.precision, self.dist.device)
+        if precision != t.precision:  # auto, resolved once: config.yaml and checkpoints say what ran
+            self.cfg = dataclasses.replace(self.cfg, trainer=dataclasses.replace(t, precision=precision))
+            t = self.cfg.trainer
         self.strategy: Strategy = build_strategy(self.cfg, self.dist)
         expected = self.strategy.processes_per_node(t.devices) * self.cfg.launch.nnodes
         if expected > 1 and self.dist.world_size == 1:
@@ -165,6 +172,7 @@ class Trainer:
     def _setup(self, model: nn.Module, task: Task, train_data: Dataset, val_data: Dataset | None) -> None:
         self.prepare(for_training=True)
         self.task = task
+        model = self._fast_path(model, task)
         t = self.cfg.trainer  # after the runtime: an elastic restart turns resume on
         seed_everything(t.seed)
         self._check_same_length(train_data)
@@ -185,6 +193,8 @@ class Trainer:
             model = convert_sync_batchnorm(model, self.dist.device.type)
         self.strategy.check_batch(t.batch_size)
         self.module = self.strategy.setup_module(model)
+        if self.fast.compile_mode:
+            self.strategy.compile_module(self.module, self.fast.compile_mode)
         self.optimizer = self.strategy.setup_optimizer(self.module, self._scaled_optim())
         # Weights were initialised from the shared seed; from here on (dropout) each rank draws its own
         # stream. Augmentation does not use it: SeededSamples seeds each sample from (seed, epoch, index).
@@ -216,6 +226,15 @@ class Trainer:
                 print(resumed_line(resume_state["_path"], self.state), flush=True)
         self.config_dict = to_dict(self.cfg)
 
+    def _fast_path(self, model: nn.Module, task: Task) -> nn.Module:
+        """Resolve the speed options for this device and task (docs/performance.md); the model in its memory format."""
+        from gputrain import fast_path
+
+        self.fast: FastPath = fast_path.resolve(self.cfg, self.dist.device, fixed_shapes=task.fixed_shapes)
+        self.cfg = fast_path.with_resolved(self.cfg, self.fast)
+        self.fast.apply_backend_flags()
+        return self.fast.prepare_model(model)
+
     @property
     def target_device(self) -> Any:
         """Where targets go: the input device when the model consumes them, else where outputs land."""
@@ -245,7 +264,7 @@ class Trainer:
             t = self.cfg.trainer
             (self.out / "config.yaml").write_text(to_yaml(self.cfg))
             print(f"gputrain: {self.strategy.describe()} device={self.dist.device} precision={self.precision.name} "
-                  f"batch_size={t.batch_size}/process global_batch={self.global_batch}{self.lr_note} "
+                  f"{self.fast.describe()} batch_size={t.batch_size}/process global_batch={self.global_batch}{self.lr_note} "
                   f"out={self.out}", flush=True)
 
     # -- the loop ------------------------------------------------------------------------
@@ -344,7 +363,7 @@ class Trainer:
         self.prepare(for_training=False)
         self.task = task
         self.hooks = [ProgressHook(bar=False), *self.extra_hooks]
-        self.module = self.strategy.setup_module(model)
+        self.module = self.strategy.setup_module(self._fast_path(model, task))
         self.val_loader = self._loader(val_data, train=False)
         if self.dist.is_main:
             self.out.mkdir(parents=True, exist_ok=True)

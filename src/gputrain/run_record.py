@@ -72,6 +72,10 @@ def write_summary(trainer: Trainer, metrics: dict[str, float], wall_s: float, tr
         "train_s": train_s,
         "images_per_s": samples / train_s if train_s > 0 else 0.0,
         "peak_memory_bytes": peak_memory_bytes(trainer.dist.device),
+        "fast": trainer.fast.describe().removeprefix("fast="),
+        # The run's first optimizer step: with trainer.compile it holds the compile time (bench throughput
+        # reports compile_s = first step - a steady step).
+        "first_step_s": trainer.first_step_s,
     }
     if trainer.dist.is_main:
         from gputrain.hooks.logging import strict_json

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from gputrain.fast_path import to_memory_format
 from gputrain.loop_state import LossWindow
 from gputrain.resume import all_finite, raise_non_finite
 from gputrain.strategies.base import MicroBatch, move_to_device
@@ -60,6 +61,7 @@ def run_epoch(trainer: Trainer) -> dict[str, float]:
     start = time.perf_counter()
     steps_done = 0
     for k in range(state.step_in_epoch, trainer.steps_per_epoch):
+        step_start = time.perf_counter()
         micro_batches = plan.micro_batches(k)
         n_step = plan.step_size(k)
         uneven = any(not share for share in micro_batches[-1])  # some rank has nothing in the last micro-batch
@@ -68,7 +70,8 @@ def run_epoch(trainer: Trainer) -> dict[str, float]:
             n = len(shares[dp_rank])
             if n:
                 inputs, targets = trainer.task.split_batch(next(batches))
-                inputs = move_to_device(inputs, strategy.root_device, non_blocking=True)
+                inputs = to_memory_format(move_to_device(inputs, strategy.root_device, non_blocking=True),
+                                          trainer.fast.channels_last)
                 targets = move_to_device(targets, trainer.target_device, non_blocking=True)
                 last_inputs = (inputs, targets)
             elif join_empty:
@@ -89,6 +92,8 @@ def run_epoch(trainer: Trainer) -> dict[str, float]:
         if uneven and not join_empty:
             strategy.finish_gradients(module)
         optimizer_step(trainer)
+        if trainer.first_step_s is None:  # with trainer.compile, the compile time is in here
+            trainer.first_step_s = time.perf_counter() - step_start
         steps_done += 1
         state.samples_seen += n_step
         state.step_in_epoch = k + 1
@@ -147,7 +152,8 @@ def evaluate_batches(trainer: Trainer) -> dict[str, float]:
         most = int(strategy.all_reduce(torch.tensor([total], device=strategy.root_device), op="max"))
     for batch in trainer.val_loader:
         inputs, targets = task.split_batch(batch)
-        inputs = move_to_device(inputs, strategy.root_device, non_blocking=True)
+        inputs = to_memory_format(move_to_device(inputs, strategy.root_device, non_blocking=True),
+                                  trainer.fast.channels_last)
         targets = move_to_device(targets, trainer.target_device, non_blocking=True)
         with trainer.precision.forward_context():
             outputs, loss = task.evaluate_batch(model, inputs, targets)

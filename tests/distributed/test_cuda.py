@@ -28,7 +28,7 @@ def test_single_gpu_training_matches_cpu(tmp_path, monkeypatch):
     torch.manual_seed(0)
     trainer = Trainer(RunConfig(optim=OptimConfig(name="sgd", lr=0.5, momentum=0.9)), strategy="single",
                       accelerator="cuda", batch_size=16, epochs=2, out=str(tmp_path / "gpu"), progress_bar=False,
-                      loggers=[])
+                      loggers=[], precision="32")  # the CPU run's arithmetic; the fast path's layout stays on
     trainer.fit(ConvAutoencoder(), _Images(), _Images(), task=ReconstructionTask())
     gpu = {k: v.cpu() for k, v in trainer.strategy.model_state_dict(trainer.module).items()}
     assert _max_diff(cpu, gpu) < 1e-4
@@ -88,3 +88,31 @@ def test_async_checkpoint_copies_cuda_state_to_pinned_buffers_before_the_step(tm
         saved = load_checkpoint(tmp_path / f"step_{step:06d}.pt")["model"]["w"]
         assert saved.device.type == "cpu"
         assert torch.equal(saved, torch.arange(1 << 20, dtype=torch.float32) + (step - 1))
+
+
+def test_the_fast_path_is_on_by_default_on_a_gpu_and_reaches_the_model(tmp_path, capsys):
+    from gputrain import Trainer
+    from gputrain.models.vision import ConvAutoencoder
+    from gputrain.tasks.autoencoder import ReconstructionTask
+
+    torch.manual_seed(0)
+    model = ConvAutoencoder()
+    layouts: list[bool] = []
+    model.encoder[0].register_forward_pre_hook(
+        lambda m, args: layouts.append(args[0].is_contiguous(memory_format=torch.channels_last)))
+    trainer = Trainer(strategy="single", accelerator="cuda", batch_size=16, epochs=1, out=str(tmp_path / "run"),
+                      progress_bar=False, loggers=[], pictures=0)
+    summary = trainer.fit(model, _Images(), _Images(), task=ReconstructionTask())
+    line = capsys.readouterr().out
+    bf16 = torch.cuda.is_bf16_supported()
+    assert f"precision={'bf16-mixed' if bf16 else '32'} fast=channels_last+fused+cudnn_benchmark" in line
+    assert layouts and all(layouts)
+    assert trainer.optimizer.param_groups[0]["fused"] is True and torch.backends.cudnn.benchmark
+    assert trainer.config_dict["trainer"]["precision"] == ("bf16-mixed" if bf16 else "32")
+    assert summary["final"]["train/loss"] < 1
+
+
+def test_compiled_training_on_a_gpu_ends_where_eager_ends(tmp_path):
+    eager = _train(str(tmp_path / "eager"), "single", 1, 16, accelerator="cuda", precision="32")
+    compiled = _train(str(tmp_path / "compiled"), "single", 1, 16, accelerator="cuda", precision="32", compile=True)
+    assert _max_diff(eager, compiled) < 1e-4

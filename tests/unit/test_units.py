@@ -173,7 +173,7 @@ def test_mixed_precision_trains_and_keeps_scaler_state(name):
 
 
 def test_unknown_precision_and_strategy_say_what_is_valid():
-    with pytest.raises(ValueError, match="choose 32, 16-mixed or bf16-mixed"):
+    with pytest.raises(ValueError, match="choose auto, 32, 16-mixed or bf16-mixed"):
         build_precision("8-bit", torch.device("cpu"))
     with pytest.raises(ValueError, match=r"trainer.strategy='fsdp3' is unknown; choose one of .*ddp, dp,"):
         strategy_class("fsdp3")

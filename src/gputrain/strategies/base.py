@@ -121,6 +121,14 @@ class Strategy(ABC):
     def setup_module(self, model: nn.Module) -> nn.Module:
         """Move ``model`` to its device(s) and wrap it for this strategy."""
 
+    def compile_module(self, module: nn.Module, mode: str) -> None:
+        """``torch.compile`` what training runs (``trainer.compile``), in place: state-dict keys stay the model's.
+
+        The default compiles the wrapped module whole, so under DDP dynamo sees the wrapper and splits the
+        graph at gradient buckets (its DDPOptimizer), keeping the all-reduce overlapped with backward.
+        """
+        module.compile(mode=mode)
+
     def setup_optimizer(self, module: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
         from gputrain.optim import build_optimizer
 

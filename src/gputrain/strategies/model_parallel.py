@@ -78,6 +78,8 @@ class SplitModel(nn.Module):
         self.options = options
         self.announce = announce
         self.stages: list[Stage] | None = None
+        self.compile_mode: str | None = None
+        """Set by the strategy (``trainer.compile``): each stage is compiled once placed on its device."""
         self.split: list[int] = []
         self._planned = False
         self.optimizer: torch.optim.Optimizer | None = None
@@ -112,6 +114,9 @@ class SplitModel(nn.Module):
                 stage.to(device)
 
         self._move(place)
+        if self.compile_mode:
+            for stage in stages:
+                stage.compile(mode=self.compile_mode)
         self.stages = stages
         return True
 

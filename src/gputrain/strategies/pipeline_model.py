@@ -66,6 +66,8 @@ class PipelinedModel(nn.Module):
         self.info = dist_info
         self.announce = announce
         self.stage: Stage | None = None
+        self.compile_mode: str | None = None
+        """Set by the strategy (``trainer.compile``): this rank's stage is compiled once placed on its device."""
         self.optimizer: torch.optim.Optimizer | None = None
         self._runs: dict[tuple[Any, ...], _Run] = {}
         self._loss: _LossContext | None = None
@@ -123,6 +125,8 @@ class PipelinedModel(nn.Module):
 
         self._move(place)
         self.stage = stages[rank]
+        if self.compile_mode:
+            self.stage.compile(mode=self.compile_mode)
         if self.optimizer is not None:  # state loaded before the split (resume): keep only this stage's
             local = {id(p) for p in self.stage.parameters()}
             for p in [p for p in self.optimizer.state if id(p) not in local]:

@@ -297,6 +297,13 @@ class StagedStrategy(Strategy):
 
     wrapper: ClassVar[type[torch.nn.Module]]
 
+    def compile_module(self, module: torch.nn.Module, mode: str) -> None:
+        """Each stage is compiled on its own device, when the first batch places it (``compile_mode`` of the wrapper)."""
+        if isinstance(module, self.wrapper):
+            module.compile_mode = mode  # type: ignore[assignment]
+        else:  # one process holding the whole model
+            super().compile_module(module, mode)
+
     def _announce_plan(self, text: str) -> None:
         if self.dist.is_main:
             print(f"gputrain: {self.name} plan\n{text}", flush=True)

@@ -20,6 +20,9 @@ class Task:
 
     targets_to_model: bool = False
     """True when the model itself consumes the targets (they then go to the input device)."""
+    fixed_shapes: bool = True
+    """Every batch is one tensor of one shape: the channels-last format and cuDNN's autotuner pay off (detection,
+    whose model batches images of different sizes itself, sets False)."""
 
     def __init__(self, criterion: Callable[..., torch.Tensor] | None = None) -> None:
         self.criterion = criterion

@@ -24,6 +24,7 @@ class DetectionTask(Task):
     """The model takes targets in training and returns its losses; in eval it returns detections."""
 
     targets_to_model = True
+    fixed_shapes = False
 
     def __init__(self, val_annotations: Path, label_to_category: dict[int, int], *,
                  class_names: list[str] | None = None, image_ids: dict[str, int] | None = None) -> None:

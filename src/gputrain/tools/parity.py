@@ -155,6 +155,8 @@ def run_mode(build: Callable[[], Any], cfg: RunConfig, mode: Mode, *, global_bat
     recorder = probes.IndexRecorder(spec.train_data, DTYPES[dtype] if dtype != "float32" else None)
     hook = ParityHook(mode.name, recorder)
     options = _trainer_options(mode, global_batch, steps, epochs, out, accelerator, timeout_s)
+    if cfg.trainer.precision == "auto":  # parity compares the modes' arithmetic: autocast only when asked for
+        options["precision"] = "32"
     trainer = Trainer(cfg, hooks=[hook, *(copy.deepcopy(h) for h in hooks)], **options)
     trainer.fit(model, recorder, None, task=spec.task)
     return hook.result()

@@ -37,7 +37,8 @@ class Throughput:
     model_flops_utilisation: float | None
     peak_memory_bytes: int
     compile_s: float | None
-    """None: the run does not compile the model (trainer.compile is not built yet)."""
+    """With ``trainer.compile=true``: the real-data run's first step minus a steady step (the compile time);
+    None when the model is not compiled."""
 
 
 def _run(recipe: str, out: Path, overrides: list[str], *, epochs: int, synthetic: bool) -> tuple[dict, list[dict]]:
@@ -108,7 +109,15 @@ def bench_throughput(recipe: str, *, epochs: int, out: Path, overrides: list[str
         eval_images_per_s=_steady(real, "time/val_images_per_s"), flops_per_image=flops,
         model_flops_utilisation=mfu,
         peak_memory_bytes=max(real_summary.get("peak_memory_bytes", 0), synth_summary.get("peak_memory_bytes", 0)),
-        compile_s=None)
+        compile_s=_compile_s(real_summary, real_ips))
+
+
+def _compile_s(summary: dict[str, Any], images_per_s: float) -> float | None:
+    """The first step's extra time over a steady step, where the run compiled its model."""
+    first = summary.get("first_step_s")
+    if "compile" not in summary.get("fast", "") or first is None or not images_per_s:
+        return None
+    return max(first - summary["batch_size_per_device"] / images_per_s, 0.0)
 
 
 def table(result: Throughput) -> str:

@@ -1,0 +1,107 @@
+"""The speed options, resolved once per run: what ``auto`` means on this device, and the start-up line.
+
+Each option is one field with an ``auto`` default (``trainer.channels_last``, ``trainer.cudnn_benchmark``,
+``optim.fused``, ``trainer.precision``) or an explicit switch (``trainer.compile``), and each is turned on
+by ``auto`` only where it helps and is safe:
+
+* channels-last memory format and ``cudnn.benchmark``: on CUDA, for tasks whose images have one
+  shape per batch (not detection, whose model batches images of different sizes itself);
+* fused optimizer kernels: when the parameters live on a GPU (on a CPU torch's foreach default stays);
+* bf16 autocast: on GPUs with bfloat16 (``trainer.precision=auto``); float32 elsewhere;
+* ``torch.compile``: never by ``auto`` -- its compile time (a minute for ResNet-18) is repaid only by
+  long runs, and on a CPU it gave no speed-up -- so it is asked for with ``trainer.compile=true``.
+
+With every option off (all that ``auto`` resolves to on a CPU) the loop runs exactly the path it ran
+before these options existed. Parallelism stays out of here: strategies compile their own modules.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from gputrain.config import RunConfig
+
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
+@dataclass(frozen=True)
+class FastPath:
+    """The options of one run after ``auto`` was resolved for its device and task."""
+
+    channels_last: bool = False
+    compile_mode: str | None = None
+    """``torch.compile`` mode, or None when the model runs eagerly."""
+    fused_optimizer: bool = False
+    cudnn_benchmark: bool = False
+
+    def describe(self) -> str:
+        """``fast=channels_last+compile(default)+fused+cudnn_benchmark``, or ``fast=off``."""
+        on = [name for name, flag in (("channels_last", self.channels_last), ("fused", self.fused_optimizer),
+                                      ("cudnn_benchmark", self.cudnn_benchmark)) if flag]
+        if self.compile_mode:
+            on.insert(1 if self.channels_last else 0, f"compile({self.compile_mode})")
+        return "fast=" + ("+".join(on) if on else "off")
+
+    def apply_backend_flags(self) -> None:
+        """Process-wide switches (cuDNN's autotuner); only ever turned on, so a caller's own setting stays."""
+        if self.cudnn_benchmark:
+            import torch
+
+            torch.backends.cudnn.benchmark = True
+
+    def prepare_model(self, model: nn.Module) -> nn.Module:
+        """The user's model in the chosen memory format, before a strategy wraps, shards or splits it."""
+        if not self.channels_last:
+            return model
+        import torch
+
+        return model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
+
+
+def _auto(value: bool | str, default: bool) -> bool:
+    return default if value == "auto" else bool(value)
+
+
+def resolve(cfg: RunConfig, device: torch.device, *, fixed_shapes: bool = True) -> FastPath:
+    """The options of ``cfg`` for a run on ``device``; ``fixed_shapes`` is False for tasks whose inputs vary in size."""
+    t = cfg.trainer
+    cuda = device.type == "cuda"
+    return FastPath(
+        channels_last=_auto(t.channels_last, cuda and fixed_shapes),
+        compile_mode=t.compile_mode if t.compile else None,
+        fused_optimizer=_auto(cfg.optim.fused, cuda),
+        cudnn_benchmark=_auto(t.cudnn_benchmark, cuda and fixed_shapes),
+    )
+
+
+def resolve_precision(name: str, device: torch.device) -> str:
+    """``auto``: bf16-mixed on a GPU with bfloat16, else 32; any other name is returned as given."""
+    if name != "auto":
+        return name
+    import torch
+
+    return "bf16-mixed" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "32"
+
+
+def with_resolved(cfg: RunConfig, fast: FastPath) -> RunConfig:
+    """``cfg`` with every ``auto`` replaced by what it resolved to, so config.yaml and checkpoints say what ran."""
+    t, o = cfg.trainer, cfg.optim
+    trainer = dataclasses.replace(t, channels_last=fast.channels_last, cudnn_benchmark=fast.cudnn_benchmark)
+    return dataclasses.replace(cfg, trainer=trainer, optim=dataclasses.replace(o, fused=fast.fused_optimizer))
+
+
+def to_memory_format(inputs: Any, channels_last: bool) -> Any:
+    """4-D floating-point image batches in channels-last layout; anything else as it is."""
+    if not channels_last:
+        return inputs
+    import torch
+
+    if isinstance(inputs, torch.Tensor) and inputs.dim() == 4 and inputs.is_floating_point():
+        return inputs.contiguous(memory_format=torch.channels_last)
+    return inputs
