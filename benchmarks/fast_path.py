@@ -46,7 +46,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--each", action="store_true", help="also run the defaults minus one option at a time")
     parser.add_argument("--json")
-    args = parser.parse_args()
+    args = parser.parse_intermixed_args()
     runs = variants(args.each)
     names = list(runs)
     ips: dict[str, list[float]] = {n: [] for n in names}

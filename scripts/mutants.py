@@ -278,6 +278,17 @@ FAULTS: tuple[Fault, ...] = (
     Fault("split model's stages not compiled", "src/gputrain/strategies/model_parallel.py",
           (("                stage.compile(mode=self.compile_mode)", "                pass"),),
           ("tests/distributed/test_compile.py::test_each_stage_of_a_split_model_is_compiled_and_trains_as_eager",)),
+    # -- issue 16 item 2: images decoded on the device ------------------------------------------------
+    Fault("device-side augmentation ignores the sample's seed", "src/gputrain/data/device_decode.py",
+          (("                torch.default_generator.manual_seed(image.seed)\n", ""),),
+          ("tests/unit/test_device_decode.py::test_a_batch_decoded_on_the_device_equals_the_one_decoded_in_workers",)),
+    Fault("encoded samples record the seed after drawing from it", "src/gputrain/data/device_decode.py",
+          (("return EncodedImage(data, str(path), torch.initial_seed())",
+            "return EncodedImage(data, str(path), int(torch.randint(2**31, ())))"),),
+          ("tests/unit/test_device_decode.py::test_a_batch_decoded_on_the_device_equals_the_one_decoded_in_workers",)),
+    Fault("a corrupt image decoded on the device is not named", "src/gputrain/data/device_decode.py",
+          (("        raise DataError(f\"image {image.path} is unreadable", "        raise RuntimeError(f\"image is unreadable"),),
+          ("tests/unit/test_device_decode.py::test_a_corrupt_jpeg_is_one_line_naming_the_file",)),
 )
 
 

@@ -58,6 +58,10 @@ class DataConfig:
     """DataLoader worker processes per rank, or ``auto``: the node's cores divided by its processes (capped)."""
     augment: bool = True
     """Random training augmentation where the task has one."""
+    decode_on_device: bool = False
+    """Loader workers only read the training images' bytes; the training device decodes (nvJPEG on CUDA) and
+    augments them, with each sample's own seed: for machines with few CPU cores per GPU. Class folders only
+    (docs/data.md)."""
 
 
 @dataclass(kw_only=True)

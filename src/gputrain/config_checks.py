@@ -167,6 +167,10 @@ def check_combinations(cfg: RunConfig) -> None:
             raise ValueError(f"{name}={value!r} must be auto, true or false")
     from gputrain.fast_path import COMPILE_MODES
 
+    if cfg.data.decode_on_device and (cfg.task != "classification" or cfg.data.format != "classfolder"):
+        raise ValueError(f"data.decode_on_device=true decodes class-folder images (task classification, data.format="
+                         f"classfolder), not task {cfg.task} with data.format={cfg.data.format or '(default)'}; set "
+                         "data.decode_on_device=false")
     if t.compile and t.strategy == "dp":
         raise ValueError("trainer.compile=true does not work with strategy dp (nn.DataParallel copies the model to "
                          "each GPU at every step); use --strategy ddp, or trainer.compile=false")

@@ -22,6 +22,7 @@ from torchvision.datasets.folder import IMG_EXTENSIONS
 from torchvision.io import write_jpeg, write_png
 from torchvision.transforms import v2
 
+from gputrain.data.device_decode import read_encoded
 from gputrain.data.images import (
     DECODABLE_SUFFIXES,
     IMAGENET_MEAN,
@@ -58,7 +59,7 @@ class ClassFolder(ImageFolder):
     """
 
     def __init__(
-        self, root: PathLike, *, transform: Transform | Literal["default"] | None = "default"
+        self, root: PathLike, *, transform: Transform | Literal["default"] | None = "default", encoded: bool = False
     ) -> None:
         skipped: list[str] = []
 
@@ -71,8 +72,10 @@ class ClassFolder(ImageFolder):
         if transform == "default":
             transform = normalize_transform(IMAGENET_MEAN, IMAGENET_STD)
         try:
+            # encoded: samples are the files' bytes (data.decode_on_device), decoded and transformed on the device.
             super().__init__(
-                str(root), transform=transform, loader=read_image_rgb, is_valid_file=is_valid_file
+                str(root), transform=None if encoded else transform,
+                loader=read_encoded if encoded else read_image_rgb, is_valid_file=is_valid_file
             )
         except FileNotFoundError as e:
             raise DataError(
@@ -93,10 +96,11 @@ def split_classfolder(
     seed: int = 0,
     train_transform: Transform | Literal["default"] | None = "default",
     val_transform: Transform | Literal["default"] | None = "default",
+    encoded_train: bool = False,
 ) -> tuple[Subset[Any], Subset[Any]]:
     """A single folder split by :func:`~gputrain.data.images.seeded_split` into ``(train, val)`` subsets,
     each seeing the folder through its own transform (random augmentation for training only)."""
-    train_view = ClassFolder(root, transform=train_transform)
+    train_view = ClassFolder(root, transform=train_transform, encoded=encoded_train)
     val_view = ClassFolder(root, transform=val_transform)
     train_idx, val_idx = seeded_split(len(train_view), val_fraction, seed)
     return Subset(train_view, train_idx), Subset(val_view, val_idx)

@@ -31,9 +31,16 @@ if TYPE_CHECKING:
 
 
 def move_to_device(batch: Any, device: torch.device, non_blocking: bool = False) -> Any:
-    """Move every tensor in a nested batch (tensors, lists, tuples, dicts) to ``device``."""
+    """Move every tensor in a nested batch (tensors, lists, tuples, dicts) to ``device``.
+
+    An object with a ``to_device(device, non_blocking)`` method builds itself there (images still encoded,
+    :class:`~gputrain.data.device_decode.EncodedBatch`, are decoded on the device).
+    """
     if isinstance(batch, torch.Tensor):
         return batch.to(device, non_blocking=non_blocking)
+    to_device = getattr(batch, "to_device", None)
+    if callable(to_device):
+        return to_device(device, non_blocking)
     if isinstance(batch, dict):
         return {k: move_to_device(v, device, non_blocking) for k, v in batch.items()}
     if isinstance(batch, (list, tuple)):

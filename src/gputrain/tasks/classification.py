@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torchvision.transforms import v2
 
 from gputrain.config import RunConfig
+from gputrain.data.classfolder import classification_transform
 from gputrain.data.images import IMAGENET_MEAN, IMAGENET_STD, normalize_transform
 from gputrain.metrics.base import Evaluator
 from gputrain.metrics.classification import ClassificationEvaluator
@@ -27,6 +28,12 @@ class ClassificationTask(Task):
                  mean: tuple[float, ...] = IMAGENET_MEAN, std: tuple[float, ...] = IMAGENET_STD) -> None:
         super().__init__(F.cross_entropy)
         self.num_classes, self.class_names, self.mean, self.std = num_classes, class_names, mean, std
+
+    train_collate: Callable[[list[Any]], Any] | None = None
+    """Set where training images are decoded on the device (data.decode_on_device): collates their bytes."""
+
+    def collate_fn(self) -> Callable[[list[Any]], Any] | None:
+        return self.train_collate
 
     def evaluator(self) -> Evaluator:
         return ClassificationEvaluator(self.num_classes)
@@ -57,8 +64,6 @@ def eval_preprocess(cfg: RunConfig) -> Callable[[torch.Tensor], torch.Tensor]:
     """The evaluation preprocessing of a ``uint8 (3, H, W)`` image: validation data and ``gputrain predict`` alike."""
     if cfg.data.format == "cifar10":
         return normalize_transform(CIFAR_MEAN, CIFAR_STD)  # type: ignore[return-value]
-    from gputrain.data.classfolder import classification_transform
-
     return classification_transform(cfg.data.image_size or 224, train=False)
 
 
@@ -93,22 +98,30 @@ def _cifar10(cfg: RunConfig) -> tuple:
 
 
 def _classfolder(cfg: RunConfig) -> tuple:
-    from gputrain.data.classfolder import ClassFolder, classification_transform, split_classfolder
+    from gputrain.data.classfolder import ClassFolder, split_classfolder
 
     size = cfg.data.image_size or 224
     train_tf = classification_transform(size, train=cfg.data.augment)
     val_tf = eval_preprocess(cfg)
+    encoded = on_device_decoding(cfg)
     if cfg.data.val_root:
-        train, val = ClassFolder(cfg.data.root, transform=train_tf), ClassFolder(cfg.data.val_root, transform=val_tf)
+        train = ClassFolder(cfg.data.root, transform=train_tf, encoded=encoded)
+        val = ClassFolder(cfg.data.val_root, transform=val_tf)
         classes = train.classes
         if val.classes != classes:
             raise ValueError(f"data.val_root={cfg.data.val_root} has classes {val.classes} but data.root has {classes}")
     else:
         # Subsets of one ClassFolder here (the caller needs only Datasets); typed as in the branch above.
         train, val = split_classfolder(cfg.data.root, val_fraction=cfg.data.val_fraction,  # type: ignore[assignment]
-                                       seed=cfg.data.split_seed, train_transform=train_tf, val_transform=val_tf)
+                                       seed=cfg.data.split_seed, train_transform=train_tf, val_transform=val_tf,
+                                       encoded_train=encoded)
         classes = train.dataset.classes
     return train, val, len(classes)
+
+
+def on_device_decoding(cfg: RunConfig) -> bool:
+    """data.decode_on_device, except for synthetic runs (whose samples are decoded once, up front)."""
+    return cfg.data.decode_on_device and not cfg.data.synthetic
 
 
 def build(cfg: RunConfig) -> TaskSpec:
@@ -121,5 +134,10 @@ def build(cfg: RunConfig) -> TaskSpec:
     model = build_configured_model(cfg.model, "resnet18", num_classes=num_classes)
     mean, std = _stats(cfg)
     task = ClassificationTask(num_classes, class_names=_class_names(cfg), mean=mean, std=std)
+    if cfg.data.format == "classfolder" and on_device_decoding(cfg):
+        from gputrain.data.device_decode import EncodedCollate
+
+        task.train_collate = EncodedCollate(classification_transform(cfg.data.image_size or 224,
+                                                                     train=cfg.data.augment))
     return TaskSpec(task=task, model=model, train_data=train, val_data=val,
                     example_input=val[0][0].unsqueeze(0))
