@@ -7,12 +7,15 @@ processes (gloo on CPU; 2 processes are started by torchrun for every variant, s
 find a ready process group and no one pays for spawning):
 
   hand       plain PyTorch, 1 process          hand_ddp   DistributedDataParallel by hand, 2 processes
-  lightning  Lightning 2.6.6 (1 and 2)         gputrain   gputrain.Trainer (1 and 2), checkpoints off
+  hand_tuned, hand_ddp_tuned                   the same loops with glibc's allocator set as gputrain sets it
+                                               (``trainer.reuse_host_memory``, on by default): the reference
+                                               for what gputrain's loop itself costs
+  lightning  Lightning 2.6.6 (1 and 2)         gputrain   gputrain.Trainer (1 and 2), defaults, checkpoints off
 
 Checkpoints, logging, validation and progress bars are off everywhere, so all do the same work. Variants run
 in rotated order over ``--reps`` rounds (no variant always first). Reported per variant: the median epoch time
 (epochs after the first), the median over rounds of its ratio to the hand-written loop of the same process
-count in that round, start-up (process start to the end of the first step), peak resident memory of rank 0, and
+count in that round (and to the tuned hand-written loop), start-up (process start to the end of the first step), peak resident memory of rank 0, and
 the last epoch's mean training loss (all variants must agree to ~1e-5: they compute the same thing).
 
     pip install -r requirements-bench.txt       # lightning==2.6.6, for this script only
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import platform
@@ -46,7 +50,7 @@ from gputrain.models.vision import ConvAutoencoder
 
 MODELS = {"resnet18": dict(images=1024, size=32, batch=32, lr=0.05),
           "autoencoder": dict(images=1024, size=80, batch=32, lr=0.5)}
-VARIANTS = {1: ("hand", "lightning", "gputrain"), 2: ("hand_ddp", "lightning", "gputrain")}
+VARIANTS = {1: ("hand", "hand_tuned", "lightning", "gputrain"), 2: ("hand_ddp", "hand_ddp_tuned", "lightning", "gputrain")}
 
 
 # -- the job every variant runs ---------------------------------------------------------------------
@@ -119,7 +123,11 @@ def mean_loss(total: torch.Tensor, count: int, world: int) -> float:
     return float(stats[0] / stats[1])
 
 
-def run_hand(model_name: str, epochs: int, clock: Clock, rank: int, world: int) -> None:
+def run_hand(model_name: str, epochs: int, clock: Clock, rank: int, world: int, tuned: bool = False) -> None:
+    if tuned:
+        from gputrain.fast_path import keep_freed_host_memory
+
+        keep_freed_host_memory()
     data = Keyed(model_name)
     model = build_model(model_name)
     if world > 1:
@@ -213,7 +221,9 @@ def run_gputrain(model_name: str, epochs: int, clock: Clock, rank: int, world: i
         trainer.fit(build_model(model_name), Keyed(model_name), None, task=Task(loss_fn(model_name)))
 
 
-RUNNERS = {"hand": run_hand, "hand_ddp": run_hand, "lightning": run_lightning, "gputrain": run_gputrain}
+RUNNERS = {"hand": run_hand, "hand_ddp": run_hand, "hand_tuned": functools.partial(run_hand, tuned=True),
+           "hand_ddp_tuned": functools.partial(run_hand, tuned=True), "lightning": run_lightning,
+           "gputrain": run_gputrain}
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -221,7 +231,7 @@ def worker(args: argparse.Namespace) -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     torch.set_num_threads(args.threads)
-    if world > 1 and args.variant == "hand_ddp":
+    if world > 1 and args.variant.startswith("hand_ddp"):
         dist.init_process_group("gloo")
     clock = Clock(started)
     RUNNERS[args.variant](args.model, args.epochs, clock, rank, world)
@@ -264,34 +274,39 @@ def main() -> None:
     cores = len(os.sched_getaffinity(0))
     jobs = [(m, p, v) for m in args.models for p in args.procs for v in VARIANTS[p]]
     runs: dict[tuple[str, int, str], list[dict[str, Any]]] = {job: [] for job in jobs}
-    ratios: dict[tuple[str, int, str], list[float]] = {job: [] for job in jobs}
     with tempfile.TemporaryDirectory() as tmp:
         for rep in range(args.reps):
-            order = jobs[rep % len(jobs):] + jobs[:rep % len(jobs)]
-            this = {}
-            for m, p, v in order:
-                this[(m, p, v)] = launch(v, m, p, args.epochs, max(cores // p, 1), Path(tmp))
-                runs[(m, p, v)].append(this[(m, p, v)])
-                print(f"round {rep + 1}: {m} {p} proc {v}: epochs {[round(e, 2) for e in this[(m, p, v)]['epochs']]} "
-                      f"loss {this[(m, p, v)]['loss']:.7f}", flush=True)
-            for m, p, v in jobs:
-                base = statistics.median(this[(m, p, VARIANTS[p][0])]["epochs"][1:])
-                ratios[(m, p, v)].append(statistics.median(this[(m, p, v)]["epochs"][1:]) / base)
+            for m, p, v in jobs[rep % len(jobs):] + jobs[:rep % len(jobs)]:
+                done = launch(v, m, p, args.epochs, max(cores // p, 1), Path(tmp))
+                done["epoch_s"] = statistics.median(done["epochs"][1:])
+                runs[(m, p, v)].append(done)
+                print(f"round {rep + 1}: {m} {p} proc {v}: epochs {[round(e, 2) for e in done['epochs']]} "
+                      f"loss {done['loss']:.7f}", flush=True)
+
+    def per_round(m: str, p: int, v: str, base: str) -> list[float]:
+        """The ratio of ``v``'s median epoch to ``base``'s, round by round (both ran in each round)."""
+        return [a["epoch_s"] / b["epoch_s"] for a, b in zip(runs[(m, p, v)], runs[(m, p, base)], strict=True)]
+
     rows = []
     for m, p, v in jobs:
-        done = runs[(m, p, v)]
+        done, to_hand = runs[(m, p, v)], per_round(m, p, v, VARIANTS[p][0])
         rows.append({"model": m, "processes": p, "variant": v,
                      "epoch_s": statistics.median(e for r in done for e in r["epochs"][1:]),
-                     "ratio_to_hand": statistics.median(ratios[(m, p, v)]),
+                     "ratio_to_hand": statistics.median(to_hand), "ratio_range": [min(to_hand), max(to_hand)],
+                     "ratio_to_tuned_hand": statistics.median(per_round(m, p, v, VARIANTS[p][1])),
+                     "ratio_to_lightning": statistics.median(per_round(m, p, v, "lightning")),
                      "startup_s": statistics.median(r["first_step_s"] for r in done),
                      "peak_rss_mib": max(r["peak_rss"] for r in done) / 2**20,
                      "loss": done[-1]["loss"]})
     print(f"\n{datetime.date.today()} {platform.node()}: {cores} cores, torch {torch.__version__}, "
           f"{args.reps} rounds, {args.epochs} epochs (first not timed), threads per process = cores / processes")
-    print("| model | procs | variant | epoch s | x hand (same procs) | start-up s | peak RSS MiB | last-epoch loss |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| model | procs | variant | epoch s | x hand (min..max) | x tuned hand | x Lightning | start-up s "
+          "| peak RSS MiB | last-epoch loss |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['model']} | {r['processes']} | {r['variant']} | {r['epoch_s']:.3f} | {r['ratio_to_hand']:.3f} | "
+        low, high = r["ratio_range"]
+        print(f"| {r['model']} | {r['processes']} | {r['variant']} | {r['epoch_s']:.3f} | {r['ratio_to_hand']:.3f} "
+              f"({low:.2f}..{high:.2f}) | {r['ratio_to_tuned_hand']:.3f} | {r['ratio_to_lightning']:.3f} | "
               f"{r['startup_s']:.2f} | {r['peak_rss_mib']:.0f} | {r['loss']:.7f} |")
     for m in args.models:
         for p in args.procs:

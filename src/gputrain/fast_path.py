@@ -8,16 +8,19 @@ by ``auto`` only where it helps and is safe:
   shape per batch (not detection, whose model batches images of different sizes itself);
 * fused optimizer kernels: when the parameters live on a GPU (on a CPU torch's foreach default stays);
 * bf16 autocast: on GPUs with bfloat16 (``trainer.precision=auto``); float32 elsewhere;
+* host memory kept for reuse (``trainer.reuse_host_memory``): wherever the C library is glibc, on a CPU
+  too -- it changes where memory comes from, never a computed value;
 * ``torch.compile``: never by ``auto`` -- its compile time (a minute for ResNet-18) is repaid only by
   long runs, and on a CPU it gave no speed-up -- so it is asked for with ``trainer.compile=true``.
 
-With every option off (all that ``auto`` resolves to on a CPU) the loop runs exactly the path it ran
-before these options existed. Parallelism stays out of here: strategies compile their own modules.
+With every option off the loop runs exactly the path it ran before these options existed; on a CPU
+``auto`` turns on only ``reuse_host_memory``, so the computed values stay those of that path, bit for bit. Parallelism stays out of here: strategies compile their own modules.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -39,21 +42,27 @@ class FastPath:
     """``torch.compile`` mode, or None when the model runs eagerly."""
     fused_optimizer: bool = False
     cudnn_benchmark: bool = False
+    reuse_host_memory: bool = False
+    """glibc keeps the host memory that freed tensors return, for the next step (:func:`keep_freed_host_memory`)."""
 
     def describe(self) -> str:
-        """``fast=channels_last+compile(default)+fused+cudnn_benchmark``, or ``fast=off``."""
+        """``fast=channels_last+compile(default)+fused+cudnn_benchmark+reuse_host_memory``, or ``fast=off``."""
         on = [name for name, flag in (("channels_last", self.channels_last), ("fused", self.fused_optimizer),
-                                      ("cudnn_benchmark", self.cudnn_benchmark)) if flag]
+                                      ("cudnn_benchmark", self.cudnn_benchmark),
+                                      ("reuse_host_memory", self.reuse_host_memory)) if flag]
         if self.compile_mode:
             on.insert(1 if self.channels_last else 0, f"compile({self.compile_mode})")
         return "fast=" + ("+".join(on) if on else "off")
 
     def apply_backend_flags(self) -> None:
-        """Process-wide switches (cuDNN's autotuner); only ever turned on, so a caller's own setting stays."""
+        """Process-wide switches (cuDNN's autotuner, glibc's allocator); only ever turned on, so a caller's own
+        setting stays."""
         if self.cudnn_benchmark:
             import torch
 
             torch.backends.cudnn.benchmark = True
+        if self.reuse_host_memory:
+            keep_freed_host_memory()
 
     def prepare_model(self, model: nn.Module) -> nn.Module:
         """The user's model in the chosen memory format, before a strategy wraps, shards or splits it."""
@@ -72,12 +81,50 @@ def resolve(cfg: RunConfig, device: torch.device, *, fixed_shapes: bool = True) 
     """The options of ``cfg`` for a run on ``device``; ``fixed_shapes`` is False for tasks whose inputs vary in size."""
     t = cfg.trainer
     cuda = device.type == "cuda"
+    if t.reuse_host_memory is True and not glibc():
+        raise ValueError("trainer.reuse_host_memory=true tunes glibc's allocator, and this system's C library is not "
+                         "glibc; set trainer.reuse_host_memory=auto or false")
     return FastPath(
         channels_last=_auto(t.channels_last, cuda and fixed_shapes),
         compile_mode=t.compile_mode if t.compile else None,
         fused_optimizer=_auto(cfg.optim.fused, cuda),
         cudnn_benchmark=_auto(t.cudnn_benchmark, cuda and fixed_shapes),
+        reuse_host_memory=_auto(t.reuse_host_memory, glibc()),
     )
+
+
+def glibc() -> bool:
+    """Whether this process's C library is glibc (whose ``mallopt`` :func:`keep_freed_host_memory` calls)."""
+    try:
+        return bool(os.confstr("CS_GNU_LIBC_VERSION"))
+    except (AttributeError, ValueError, OSError):  # not a POSIX confstr name here (macOS, Windows, musl)
+        return False
+
+
+# mallopt parameters, from glibc's malloc.h.
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+_MMAP_THRESHOLD_MAX = 32 << 20
+"""The largest mmap threshold glibc accepts on 64-bit systems (half its heap size); larger requests still use mmap."""
+
+
+def keep_freed_host_memory() -> None:
+    """Make glibc keep freed memory for reuse in this process (and the loader workers it forks later).
+
+    Why: a training step frees and allocates the same activation and gradient buffers every step. By
+    default glibc serves each request of 128 KiB or more (a threshold it raises as it goes) with its own
+    ``mmap`` and gives free memory at the top of its heap back to the kernel, so the next step faults the
+    same pages in again, zeroed: ResNet-18 and the conv autoencoder took 4-5 times as many page faults
+    and 10-20 % longer epochs on a CPU (docs/benchmarks.md). Serving requests up to 32 MiB from the heap
+    and never trimming it is what jemalloc and tcmalloc, which PyTorch's CPU tuning guides recommend,
+    do by design; the cost is that the process keeps its peak host memory until it exits.
+    """
+    import ctypes
+
+    libc = ctypes.CDLL(None)
+    # -1 turns trimming off altogether (mallopt(3)); both calls return 1 on success.
+    if not (libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX) and libc.mallopt(_M_TRIM_THRESHOLD, -1)):
+        raise OSError("glibc refused mallopt(M_MMAP_THRESHOLD / M_TRIM_THRESHOLD); set trainer.reuse_host_memory=false")
 
 
 def resolve_precision(name: str, device: torch.device) -> str:
@@ -92,7 +139,8 @@ def resolve_precision(name: str, device: torch.device) -> str:
 def with_resolved(cfg: RunConfig, fast: FastPath) -> RunConfig:
     """``cfg`` with every ``auto`` replaced by what it resolved to, so config.yaml and checkpoints say what ran."""
     t, o = cfg.trainer, cfg.optim
-    trainer = dataclasses.replace(t, channels_last=fast.channels_last, cudnn_benchmark=fast.cudnn_benchmark)
+    trainer = dataclasses.replace(t, channels_last=fast.channels_last, cudnn_benchmark=fast.cudnn_benchmark,
+                                  reuse_host_memory=fast.reuse_host_memory)
     return dataclasses.replace(cfg, trainer=trainer, optim=dataclasses.replace(o, fused=fast.fused_optimizer))
 
 

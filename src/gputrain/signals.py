@@ -4,7 +4,9 @@ Ctrl-C reaches every process of the job (the launcher forwards it too), SLURM se
 SIGUSR1 before it kills a job, and each rank may see the signal at a different step. So a
 handler only records the signal; at each step boundary the ranks agree (one tiny all-reduce of
 the largest signal number seen) and all of them stop after the same step, write one checkpoint
-and leave with the exit code of that signal. A second Ctrl-C, seconds later, aborts at once
+and leave with the exit code of that signal. The all-reduce of step k is started at step k and
+read at step k+1, so no step waits for it: a stop comes one step later than the signal would
+allow, and every rank still reads the same value at the same step. A second Ctrl-C, seconds later, aborts at once
 (the launcher forwards the first one, so a worker sees it twice at the same moment).
 """
 
@@ -31,6 +33,8 @@ class StopRequest:
         self.world_size = world_size
         self._previous: dict[int, Any] = {}
         self._group: Any = None
+        self._pending: tuple[Any, torch.Tensor] | None = None
+        """The all-reduce started at the previous step, and the tensor it reduces in place."""
 
     def __enter__(self) -> StopRequest:
         if threading.current_thread() is not threading.main_thread():
@@ -38,12 +42,16 @@ class StopRequest:
         for sig in STOP_SIGNALS:
             self._previous[sig] = signal.signal(sig, self._handle)
         if self.world_size > 1 and dist.is_initialized():
-            # Agreement travels over gloo on the CPU even when training uses nccl, so the per-step
-            # check never waits for the GPU stream.
-            self._group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
+            # A group of its own, over gloo on the CPU even when training uses nccl: the per-step check
+            # never waits for the GPU stream, and its reduction in flight never queues behind (or in front
+            # of) the gradients' on the training group.
+            self._group = dist.new_group(backend="gloo")
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        if self._pending is not None and exc_type is None:
+            self._pending[0].wait()  # every rank started it; after a failure a peer may be gone, so not then
+        self._pending = None
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
@@ -57,9 +65,22 @@ class StopRequest:
         self.received = max(self.received, signum)
 
     def agreed(self) -> int:
-        """The signal every rank stops for (0: keep going); a collective, called by all ranks each step."""
+        """The signal every rank stops for (0: keep going); a collective, called by all ranks each step.
+
+        With several ranks it returns what the ranks had received by the previous call (the reduction
+        started then), and starts this call's. Waited for at once, it was a second synchronisation point per
+        step after the gradients' all-reduce: a rank that is behind made the others wait twice.
+        """
         if self.world_size == 1 or not dist.is_initialized():
             return self.received
-        flag = torch.tensor([self.received], dtype=torch.int64)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
-        return int(flag.item())
+        stop = 0
+        if self._pending is not None:
+            work, flag = self._pending
+            work.wait()
+            stop = int(flag.item())
+        # Every rank reads the same value at the same call, so all of them start the next reduction or none.
+        self._pending = None
+        if not stop:
+            flag = torch.tensor([self.received], dtype=torch.int64)
+            self._pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True), flag)
+        return stop

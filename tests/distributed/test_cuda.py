@@ -83,7 +83,7 @@ def test_async_checkpoint_copies_cuda_state_to_pinned_buffers_before_the_step(tm
         writer.save({"model": {"w": weights}, "state": {"global_step": step}}, name=f"step_{step:06d}")
         weights.add_(1.0)  # the next step's kernel, queued behind the copy on the same stream
     writer.wait()
-    assert writer._pinned and all(buffer.is_pinned() for buffer in writer._pinned)
+    assert writer._buffers and all(buffer.is_pinned() for buffer in writer._buffers)
     for step in (1, 2):
         saved = load_checkpoint(tmp_path / f"step_{step:06d}.pt")["model"]["w"]
         assert saved.device.type == "cpu"

@@ -184,3 +184,32 @@ def test_a_failed_last_save_fails_the_end_of_training_in_one_line(tmp_path):
     assert "\n" not in message
     assert message.startswith(f"checkpoint {tmp_path / 'a-file' / 'checkpoints' / 'epoch_0002.pt'} was not written")
     assert load_checkpoint(tmp_path / "checkpoints" / "epoch_0001.pt")["state"]["epoch"] == 1  # the one before
+
+
+def test_the_next_save_reuses_the_host_buffers_only_after_the_previous_one_is_on_disk(tmp_path, monkeypatch):
+    """The snapshot's host buffers are reused by the next save (no fresh 135 MB allocation per save), and only
+    once the save that holds them has been written. Planted fault: ``save`` does not wait for the one in flight."""
+    import threading
+
+    held = _HeldSave(tmp_path, monkeypatch)
+    writer = CheckpointWriter(CheckpointStore(tmp_path / "checkpoints"))
+    weights = torch.arange(1000, dtype=torch.float32)
+    writer.save({"model": {"w": weights}, "state": {"global_step": 1}}, name="step_000001")
+    first = [b.data_ptr() for b in writer._buffers]
+    held.reached()  # the first save is inside its write, reading the buffers
+    weights.add_(1.0)
+    second = threading.Thread(target=writer.save, args=({"model": {"w": weights}, "state": {"global_step": 2}},),
+                              kwargs={"name": "step_000002"})
+    second.start()
+    second.join(timeout=0.5)
+    assert second.is_alive()  # it waits for the first save before touching the buffers
+    held.release()
+    second.join(timeout=60)
+    assert not second.is_alive()
+    held.reached()  # the second save pauses at the same place; let it through
+    held.release()
+    writer.wait()
+    assert [b.data_ptr() for b in writer._buffers] == first  # the same memory, copied into again
+    folder = tmp_path / "checkpoints"
+    assert torch.equal(load_checkpoint(folder / "step_000001.pt")["model"]["w"], torch.arange(1000, dtype=torch.float32))
+    assert torch.equal(load_checkpoint(folder / "step_000002.pt")["model"]["w"], torch.arange(1000, dtype=torch.float32) + 1)

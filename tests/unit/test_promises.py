@@ -157,6 +157,23 @@ def test_divergence_at_the_end_of_an_epoch_keeps_the_last_good_checkpoint(tmp_pa
     assert str(folder / "epoch_0001.pt") in str(error)
 
 
+def test_the_finiteness_check_finds_each_kind_of_non_finite_value_and_no_false_one():
+    """The check before every save sums each tensor; a sum that overflows is not a NaN. Planted fault: a
+    non-finite sum taken as the verdict (huge but finite state would stop a healthy run)."""
+    from gputrain.resume import tensors_finite
+
+    huge = torch.full((8,), 3e38)  # finite, but its float32 sum is inf
+    assert tensors_finite([torch.ones(3), huge, torch.full((4,), 60000.0, dtype=torch.float16)])
+    assert tensors_finite([]) and tensors_finite([torch.zeros(0)])
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
+            tensor = torch.ones(1000, dtype=dtype)
+            tensor[777] = bad
+            assert not tensors_finite([huge, tensor]), (bad, dtype)
+    cancelling = torch.tensor([float("inf"), -float("inf")])  # its sum is NaN, not inf: still caught
+    assert not tensors_finite([cancelling]) and not tensors_finite([torch.tensor([1e38, float("nan")])])
+
+
 def test_divergence_without_checkpointing_still_fails(tmp_path):
     """Fault: the end-of-epoch check removed (with checkpointing off the run would end with exit 0)."""
     error = _diverge(tmp_path, batch_size=16, enable_checkpointing=False)
