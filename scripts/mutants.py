@@ -142,7 +142,7 @@ FAULTS: tuple[Fault, ...] = (
            "tests/unit/test_checkpoint_writer.py::"
            "test_the_next_save_reuses_the_host_buffers_only_after_the_previous_one_is_on_disk")),
     Fault("the snapshot's host buffers allocated anew at every save", "src/gputrain/checkpoint_writer.py",
-          (("buffer = old if fits else", "buffer = old if False else"),),
+          (("buffer = old if fits and old is not None else", "buffer = old if False else"),),
           ("tests/unit/test_checkpoint_writer.py::"
            "test_the_next_save_reuses_the_host_buffers_only_after_the_previous_one_is_on_disk",)),
     Fault("the finiteness check takes an overflowing sum for a NaN", "src/gputrain/resume.py",

@@ -130,7 +130,7 @@ class CheckpointWriter:
         old = previous[index] if index < len(previous) else None
         fits = (old is not None and (old.shape, old.stride(), old.dtype) == (tensor.shape, tensor.stride(), tensor.dtype)
                 and (not cuda or old.is_pinned()))
-        buffer = old if fits else torch.empty_like(tensor, device="cpu", pin_memory=cuda)
+        buffer = old if fits and old is not None else torch.empty_like(tensor, device="cpu", pin_memory=cuda)
         buffer.copy_(tensor, non_blocking=cuda)
         self._buffers.append(buffer)
         return buffer
