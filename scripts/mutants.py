@@ -149,6 +149,10 @@ FAULTS: tuple[Fault, ...] = (
           (("    return all(ok or bool(torch.isfinite(t).all()) for t, ok in zip(tensors, flags, strict=True))",
             "    return all(flags)"),),
           (f"{UNIT}::test_the_finiteness_check_finds_each_kind_of_non_finite_value_and_no_false_one",)),
+    Fault("predict hands a channels-last model its batches as they come", "src/gputrain/tools/predict.py",
+          (("                                             channels_last=trainer.fast.channels_last)",
+            "                                             channels_last=False)"),),
+          ("tests/e2e/test_predict.py::test_predict_runs_the_model_in_the_layout_the_config_resolves",)),
     # -- issue 16 item 5: the CPU gap ---------------------------------------------------------------
     Fault("trainer.reuse_host_memory ignored", "src/gputrain/fast_path.py",
           (("            keep_freed_host_memory()\n", "            pass\n"),),

@@ -211,3 +211,29 @@ def test_detections_take_the_annotation_files_ids(tmp_path: Path) -> None:
     assert [e["category_id"] for e in entries[:2]] == [9, 7]
     assert entries[0]["bbox"] == [2.0, 2.0, 6.0, 6.0] and entries[0]["segmentation"]["size"] == [16, 16]
     assert sorted(p.name for p in (tmp_path / "out/overlays").iterdir()) == ["img_3.jpg", "img_5.jpg", "new.jpg"]
+
+
+def test_predict_runs_the_model_in_the_layout_the_config_resolves(classes: Path, tmp_path: Path) -> None:
+    """``gputrain predict`` applies the run's speed options as ``gputrain eval`` does: with channels-last, weights
+    and input batches reach the convolutions in that layout, and the predictions stay those of the default layout.
+    Planted fault: predict puts the model in channels-last but hands it batches as they come."""
+    checkpoint = classes / "run/checkpoints/last.pt"
+    seen: list[tuple[bool, bool]] = []
+
+    def record(module: torch.nn.Module, args: tuple) -> None:
+        if isinstance(module, torch.nn.Conv2d):
+            seen.append((args[0].is_contiguous(memory_format=torch.channels_last),
+                         module.weight.is_contiguous(memory_format=torch.channels_last)))
+
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(record)
+    try:
+        _run(["predict", "--checkpoint", checkpoint, "--input", classes / "val", "--out", tmp_path / "last",
+              "--accelerator", "cpu", "trainer.channels_last=true"])
+    finally:
+        handle.remove()
+    assert seen and seen[0] == (True, True)  # the stem sees the batch as predict delivered it
+    _run(["predict", "--checkpoint", checkpoint, "--input", classes / "val", "--out", tmp_path / "plain",
+          "--accelerator", "cpu"])
+    last, plain = (list(csv.DictReader((tmp_path / name / "predictions.csv").open())) for name in ("last", "plain"))
+    assert [r["label"] for r in last] == [r["label"] for r in plain]
+    assert np.allclose([float(r["score"]) for r in last], [float(r["score"]) for r in plain], atol=1e-5)

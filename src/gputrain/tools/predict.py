@@ -88,13 +88,19 @@ def _per_image(outputs: Any, n: int) -> list[Any]:
     return [outputs[i] for i in range(n)]
 
 
-def forward_images(task: Any, model: nn.Module, images: list[torch.Tensor], device: torch.device) -> list[Any]:
-    """The model's output for each image: a list for detection models, a stacked batch where shapes agree."""
+def forward_images(task: Any, model: nn.Module, images: list[torch.Tensor], device: torch.device, *,
+                   channels_last: bool = False) -> list[Any]:
+    """The model's output for each image: a list for detection models, a stacked batch where shapes agree.
+
+    ``channels_last``: batches in the layout the model was put in (the run's ``trainer.channels_last``).
+    """
+    from gputrain.fast_path import to_memory_format
+
     if task.targets_to_model:  # detection models take a list of images of any sizes
         return model([im.to(device) for im in images])
     if len({tuple(im.shape) for im in images}) == 1:
-        return _per_image(model(torch.stack(images).to(device)), len(images))
-    return [_per_image(model(im[None].to(device)), 1)[0] for im in images]
+        return _per_image(model(to_memory_format(torch.stack(images).to(device), channels_last)), len(images))
+    return [_per_image(model(to_memory_format(im[None].to(device), channels_last)), 1)[0] for im in images]
 
 
 def predict_from_config(cfg: RunConfig, checkpoint: str | Path, state: dict[str, Any], paths: Sequence[str],
@@ -111,7 +117,9 @@ def predict_from_config(cfg: RunConfig, checkpoint: str | Path, state: dict[str,
     try:
         strategy, inputs = trainer.strategy, list_inputs(paths)
         task, preprocess = prediction_task(cfg, annotations=annotations)
-        model = strategy.eval_module(strategy.setup_module(build_fitting_model(cfg, state, checkpoint)))
+        # The speed options as `gputrain eval` resolves them (the checkpoint's config: channels-last where it trained so).
+        fitted = trainer._fast_path(build_fitting_model(cfg, state, checkpoint), task)
+        model = strategy.eval_module(strategy.setup_module(fitted))
         model.eval()
         data = InputImages(inputs, preprocess)
         loader = DataLoader(data, batch_size=cfg.trainer.eval_batch_size or cfg.trainer.batch_size,
@@ -121,7 +129,8 @@ def predict_from_config(cfg: RunConfig, checkpoint: str | Path, state: dict[str,
         with torch.no_grad():
             for batch in loader:
                 with trainer.precision.forward_context():
-                    outputs = forward_images(task, model, [b[1] for b in batch], strategy.root_device)
+                    outputs = forward_images(task, model, [b[1] for b in batch], strategy.root_device,
+                                             channels_last=trainer.fast.channels_last)
                 for (index, _, size), output in zip(batch, outputs, strict=True):
                     results[index] = task.prediction(output, size)  # small and on the CPU: it is gathered
         gathered = strategy.gather_objects(results)
