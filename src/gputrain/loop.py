@@ -329,7 +329,7 @@ class Trainer:
     def after_optimizer_step(self) -> None:
         """Called by the epoch after each step: stop on an agreed signal, checkpoint every n steps."""
         t = self.cfg.trainer
-        signum = self.stop.agreed()
+        signum = self.stop.agreed(now=self.state.step_in_epoch >= self.steps_per_epoch)
         if signum:
             name = f"step_{self.state.global_step:06d}"
             saved = save_checkpoint(self, name, wait=True) if self.checkpoints is not None else None

@@ -6,7 +6,8 @@ handler only records the signal; at each step boundary the ranks agree (one tiny
 the largest signal number seen) and all of them stop after the same step, write one checkpoint
 and leave with the exit code of that signal. The all-reduce of step k is started at step k and
 read at step k+1, so no step waits for it: a stop comes one step later than the signal would
-allow, and every rank still reads the same value at the same step. A second Ctrl-C, seconds later, aborts at once
+allow (the last step of an epoch is agreed at once, before evaluation), and every rank still
+reads the same value at the same step. A second Ctrl-C, seconds later, aborts at once
 (the launcher forwards the first one, so a worker sees it twice at the same moment).
 """
 
@@ -64,12 +65,14 @@ class StopRequest:
             self._first_at = now
         self.received = max(self.received, signum)
 
-    def agreed(self) -> int:
+    def agreed(self, *, now: bool = False) -> int:
         """The signal every rank stops for (0: keep going); a collective, called by all ranks each step.
 
         With several ranks it returns what the ranks had received by the previous call (the reduction
         started then), and starts this call's. Waited for at once, it was a second synchronisation point per
-        step after the gradients' all-reduce: a rank that is behind made the others wait twice.
+        step after the gradients' all-reduce: a rank that is behind made the others wait twice. ``now``
+        (the same on every rank: the epoch's last step) waits for this call's reduction too, so a signal
+        never waits for an evaluation to be noticed.
         """
         if self.world_size == 1 or not dist.is_initialized():
             return self.received
@@ -80,7 +83,12 @@ class StopRequest:
             stop = int(flag.item())
         # Every rank reads the same value at the same call, so all of them start the next reduction or none.
         self._pending = None
-        if not stop:
-            flag = torch.tensor([self.received], dtype=torch.int64)
-            self._pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True), flag)
-        return stop
+        if stop:
+            return stop
+        flag = torch.tensor([self.received], dtype=torch.int64)
+        work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
+        if now:
+            work.wait()
+            return int(flag.item())
+        self._pending = (work, flag)
+        return 0
