@@ -4,15 +4,15 @@ Ctrl-C reaches every process of the job (the launcher forwards it too), SLURM se
 SIGUSR1 before it kills a job, and each rank may see the signal at a different step. So a
 handler only records the signal; at each step boundary the ranks agree (one tiny all-reduce of
 the largest signal number seen) and all of them stop after the same step, write one checkpoint
-and leave with the exit code of that signal. The all-reduce of step k is started at step k and
-read at step k+1, so no step waits for it: a stop comes one step later than the signal would
-allow (the last step of an epoch is agreed at once, before evaluation), and every rank still
-reads the same value at the same step. A second Ctrl-C, seconds later, aborts at once
+and leave with the exit code of that signal. The ranks agree about every 0.2 s of training (every
+step when steps are slower than that, at most every 100 steps) and at the last step of each epoch,
+always at the same steps on every rank. A second Ctrl-C, seconds later, aborts at once
 (the launcher forwards the first one, so a worker sees it twice at the same moment).
 """
 
 from __future__ import annotations
 
+import math
 import signal
 import threading
 import time
@@ -23,6 +23,11 @@ import torch
 import torch.distributed as dist
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+AGREE_EVERY_S = 0.2
+"""Seconds of training between two agreements of the ranks on whether to stop."""
+PROBE_STEPS = 8
+"""Steps timed before the interval is chosen (agreement every step until then)."""
+MAX_EVERY = 100
 
 
 class StopRequest:
@@ -34,8 +39,10 @@ class StopRequest:
         self.world_size = world_size
         self._previous: dict[int, Any] = {}
         self._group: Any = None
-        self._pending: tuple[Any, torch.Tensor] | None = None
-        """The all-reduce started at the previous step, and the tensor it reduces in place."""
+        self.every = 1
+        """Steps between two agreements (several ranks); set once, from the pace of the first steps."""
+        self._calls = 0
+        self._first_call = 0.0
 
     def __enter__(self) -> StopRequest:
         if threading.current_thread() is not threading.main_thread():
@@ -43,16 +50,12 @@ class StopRequest:
         for sig in STOP_SIGNALS:
             self._previous[sig] = signal.signal(sig, self._handle)
         if self.world_size > 1 and dist.is_initialized():
-            # A group of its own, over gloo on the CPU even when training uses nccl: the per-step check
-            # never waits for the GPU stream, and its reduction in flight never queues behind (or in front
-            # of) the gradients' on the training group.
+            # A group of its own, over gloo on the CPU even when training uses nccl: the check never
+            # waits for the GPU stream nor queues behind the gradients' all-reduce on the training group.
             self._group = dist.new_group(backend="gloo")
         return self
 
-    def __exit__(self, exc_type: object, *exc: object) -> None:
-        if self._pending is not None and exc_type is None:
-            self._pending[0].wait()  # every rank started it; after a failure a peer may be gone, so not then
-        self._pending = None
+    def __exit__(self, *exc: object) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
@@ -68,27 +71,26 @@ class StopRequest:
     def agreed(self, *, now: bool = False) -> int:
         """The signal every rank stops for (0: keep going); a collective, called by all ranks each step.
 
-        With several ranks it returns what the ranks had received by the previous call (the reduction
-        started then), and starts this call's. Waited for at once, it was a second synchronisation point per
-        step after the gradients' all-reduce: a rank that is behind made the others wait twice. ``now``
-        (the same on every rank: the epoch's last step) waits for this call's reduction too, so a signal
-        never waits for an evaluation to be noticed.
+        With several ranks the ranks agree every :attr:`every` calls, a count they agree on after
+        :data:`PROBE_STEPS` steps so that agreements come about :data:`AGREE_EVERY_S` of training apart;
+        ``now`` (the same on every rank: the epoch's last step) agrees at once, so a signal never waits
+        for an evaluation. Why not every step: even started asynchronously, a gloo all-reduce per step
+        needs both ranks' communication threads scheduled beside the training threads, and cost 8 % of a
+        20 ms autoencoder step on 2 CPU ranks (benchmarks/peers.py, docs/benchmarks.md).
         """
         if self.world_size == 1 or not dist.is_initialized():
             return self.received
-        stop = 0
-        if self._pending is not None:
-            work, flag = self._pending
-            work.wait()
-            stop = int(flag.item())
-        # Every rank reads the same value at the same call, so all of them start the next reduction or none.
-        self._pending = None
-        if stop:
-            return stop
-        flag = torch.tensor([self.received], dtype=torch.int64)
-        work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
-        if now:
-            work.wait()
-            return int(flag.item())
-        self._pending = (work, flag)
-        return 0
+        self._calls += 1
+        if self._calls == 1:
+            self._first_call = time.monotonic()
+        probe = self._calls == PROBE_STEPS and self.every == 1
+        if not (now or probe or self._calls % self.every == 0):
+            return 0
+        # Each rank's seconds per step since its first call: the slowest rank sets the pace for all.
+        pace = (time.monotonic() - self._first_call) / (PROBE_STEPS - 1) if probe else 0.0
+        agreed = torch.tensor([float(self.received), pace], dtype=torch.float64)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self._group)
+        signum, slowest = int(agreed[0]), float(agreed[1])
+        if probe:  # every rank computes the same interval from the same reduced value
+            self.every = max(1, min(MAX_EVERY, math.ceil(AGREE_EVERY_S / max(slowest, 1e-9))))
+        return signum
