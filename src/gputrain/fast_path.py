@@ -14,7 +14,8 @@ by ``auto`` only where it helps and is safe:
   long runs, and on a CPU it gave no speed-up -- so it is asked for with ``trainer.compile=true``.
 
 With every option off the loop runs exactly the path it ran before these options existed; on a CPU
-``auto`` turns on only ``reuse_host_memory``, so the computed values stay those of that path, bit for bit. Parallelism stays out of here: strategies compile their own modules.
+``auto`` turns on only ``reuse_host_memory``, so the computed values stay those of that path, bit for
+bit. Parallelism stays out of here: strategies compile their own modules.
 """
 
 from __future__ import annotations

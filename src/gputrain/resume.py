@@ -60,8 +60,8 @@ def tensors_finite(tensors: list[torch.Tensor]) -> bool:
     # float32 accumulation at least: a float16 sum overflows at 65504 and would send every tensor to the exact check.
     sums = [t.sum() if t.dtype in (torch.float32, torch.float64) or t.is_complex() else t.sum(dtype=torch.float32)
             for t in tensors]
-    # One isfinite per kind of sum, not per tensor, and one host sync for all (model_parallel's stages hold
-    # their tensors on different devices).
+    # One isfinite and one host sync per device and dtype, not per tensor (model_parallel's stages hold their
+    # tensors on different devices, so the sums cannot all be stacked together).
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i, x in enumerate(sums):
         groups.setdefault((x.device, x.dtype), []).append(i)
