@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import time
 
-from multiproc import run_ranks
-
 from gputrain.signals import PROBE_STEPS, StopRequest
+from multiproc import run_ranks
 
 
 def _steps(info, signal_at: int, step_s: float, now_at: int) -> tuple[int, int, int]:
