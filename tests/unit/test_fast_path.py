@@ -44,6 +44,7 @@ def test_auto_turns_the_options_on_for_cuda_and_leaves_a_cpu_run_as_it_was():
 @pytest.mark.parametrize(("override", "message"), [
     ("trainer.channels_last=maybe", "trainer.channels_last='maybe' must be auto, true or false"),
     ("optim.fused=sometimes", "optim.fused='sometimes' must be auto, true or false"),
+    ("trainer.reuse_host_memory=maybe", "trainer.reuse_host_memory='maybe' must be auto, true or false"),
     ("trainer.compile_mode=fastest", "trainer.compile_mode='fastest' is unknown; choose default, reduce-overhead"),
 ])
 def test_a_bad_option_value_is_one_line_naming_the_field(override, message):
