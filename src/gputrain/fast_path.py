@@ -116,7 +116,7 @@ def keep_freed_host_memory() -> None:
     default glibc serves each request of 128 KiB or more (a threshold it raises as it goes) with its own
     ``mmap`` and gives free memory at the top of its heap back to the kernel, so the next step faults the
     same pages in again, zeroed: ResNet-18 and the conv autoencoder took 4-5 times as many page faults
-    and 10-20 % longer epochs on a CPU (docs/benchmarks.md). Serving requests up to 32 MiB from the heap
+    and 1.5-26 % longer epochs on a CPU (docs/benchmarks.md). Serving requests up to 32 MiB from the heap
     and never trimming it is what jemalloc and tcmalloc, which PyTorch's CPU tuning guides recommend,
     do by design; the cost is that the process keeps its peak host memory until it exits.
     """
