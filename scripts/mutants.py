@@ -156,7 +156,7 @@ FAULTS: tuple[Fault, ...] = (
     # -- issue 16 item 5: the CPU gap ---------------------------------------------------------------
     Fault("trainer.reuse_host_memory ignored", "src/gputrain/fast_path.py",
           (("            keep_freed_host_memory()\n", "            pass\n"),),
-          ("tests/unit/test_fast_path.py::test_reusing_host_memory_stops_the_steps_faulting_their_buffers_in_again",)),
+          ("tests/unit/test_fast_path.py::test_reusing_host_memory_serves_large_blocks_from_the_heap_instead_of_fresh_mappings",)),
     Fault("auto leaves host memory reuse off", "src/gputrain/fast_path.py",
           (("reuse_host_memory=_auto(t.reuse_host_memory, glibc())", "reuse_host_memory=_auto(t.reuse_host_memory, False)"),),
           ("tests/unit/test_fast_path.py::test_auto_turns_the_options_on_for_cuda_and_leaves_a_cpu_run_as_it_was",)),
