@@ -189,10 +189,15 @@ def compare_training(folder: Path, pairs: int, steps_per_epoch: int = 8, epochs:
             if i:
                 times[variant].append(seconds)
 
+    def ratios(a: str, b: str, which: int = 0) -> list[float]:
+        return [x[which] / y[which] for x, y in zip(times[a], times[b], strict=True)]
+
     def ratio(a: str, b: str, which: int = 0) -> float:
-        return statistics.median(x[which] / y[which] for x, y in zip(times[a], times[b], strict=True))
+        return statistics.median(ratios(a, b, which))
 
     return {"pairs": pairs, "steps": steps_per_epoch * epochs,
+            "rounds": {"async/none": ratios("async", "none"), "step async/none": ratios("async", "none", 1),
+                       "sync/none": ratios("sync", "none"), "step sync/none": ratios("sync", "none", 1)},
             "wall_s": {v: statistics.median(w for w, _ in t) for v, t in times.items()},
             "step_s": {v: statistics.median(s for _, s in t) for v, t in times.items()},
             "sync/none": ratio("sync", "none"), "async/none": ratio("async", "none"),
@@ -223,7 +228,9 @@ def main() -> None:
               f"| {r['sync/none']:.3f} | {r['async/none']:.3f} | {r['async/sync']:.3f} |")
         print(f"| mean step, epochs 2-3 | {st['none'] * 1e3:.1f} ms | {st['sync'] * 1e3:.1f} ms "
               f"| {st['async'] * 1e3:.1f} ms | {r['step sync/none']:.3f} | {r['step async/none']:.3f} | |")
-        print(f"\nMedians of {args.pairs} rotated rounds; ratios are medians of per-round ratios.")
+        spread = {k: f"{min(v):.3f}..{max(v):.3f}" for k, v in r["rounds"].items()}
+        print(f"\nMedians of {args.pairs} rotated rounds; ratios are medians of per-round ratios "
+              f"(per-round min..max: {spread}).")
         if args.json:
             Path(args.json).write_text(json.dumps(r, indent=2))
         return

@@ -77,7 +77,11 @@ FAULTS: tuple[Fault, ...] = (
           (("dist.broadcast(buffer, src=0)", "pass"),),
           (f"{DIST}::test_ddp_validation_equals_evaluating_the_saved_checkpoint_in_one_process",)),
     Fault("non-finite check removed from save_checkpoint", "src/gputrain/resume.py",
-          (('if not all_finite(trainer, (metrics or {}).get("train/loss")):', "if False:"),),
+          (("if not (all_finite(trainer, loss) if not in_background else loss is None or math.isfinite(loss)):",
+            "if False:"),),
+          (f"{UNIT}::test_divergence_inside_an_epoch_stops_a_synchronous_save_before_it_writes",)),
+    Fault("the background writer writes a non-finite copy", "src/gputrain/checkpoint_writer.py",
+          (("self._buffers if check_finite else None", "None"),),
           (f"{UNIT}::test_divergence_inside_an_epoch_writes_nothing_non_finite",)),
     Fault("non-finite weights check removed from the epoch end", "src/gputrain/train_step.py",
           (("if not math.isfinite(epoch_loss) or not all_finite(trainer):", "if not math.isfinite(epoch_loss):"),),
@@ -133,8 +137,54 @@ FAULTS: tuple[Fault, ...] = (
           ("tests/unit/test_checkpoint_writer.py::test_fit_returns_with_every_checkpoint_on_disk",
            "tests/unit/test_checkpoint_writer.py::test_a_failed_last_save_fails_the_end_of_training_in_one_line")),
     Fault("async checkpoint state not copied before the step mutates it", "src/gputrain/checkpoint_writer.py",
-          (("memo[id(obj)] = self._into_buffer(obj.detach(), previous)", "memo[id(obj)] = obj.detach()"),),
+          (("                    memo[id(obj)] = buffer\n", "                    memo[id(obj)] = source\n"),),
           ("tests/unit/test_checkpoint_writer.py::test_the_step_cannot_change_a_checkpoint_being_written",)),
+    Fault("the optimizer step does not wait for the writer thread's copy", "src/gputrain/loop.py",
+          (("            self.checkpoint_writer.settle()\n", "            pass\n"),),
+          ("tests/unit/test_checkpoint_writer.py::test_the_optimizer_step_waits_for_the_thread_to_copy_the_weights",),
+          ),
+    Fault("a deferred copy changed before it was taken is written anyway", "src/gputrain/checkpoint_writer.py",
+          (("changed = [i for i, (source, _, version) in enumerate(deferred.pairs) if source._version != version]",
+            "changed: list[int] = []"),),
+          ("tests/unit/test_checkpoint_writer.py::"
+           "test_a_forward_that_writes_a_trainable_parameter_skips_that_checkpoint_with_one_warning",)),
+    Fault("an interrupt in settle() leaves the writer thread without a verdict", "src/gputrain/checkpoint_writer.py",
+          (("""        finally:
+            self._deferred = None
+            deferred.changed = verdict""", """        except BaseException:
+            raise
+        if True:
+            self._deferred = None
+            deferred.changed = verdict"""),),
+          ("tests/unit/test_checkpoint_writer.py::"
+           "test_an_interrupt_while_settling_neither_commits_an_unchecked_copy_nor_hangs_the_writer",)),
+    Fault("buffers a forward updates left to the writer thread", "src/gputrain/checkpoint_writer.py",
+          (("busy = {-1} | {_storage(t) for t in volatile or ()}", "busy = {-1}"),),
+          ("tests/unit/test_checkpoint_writer.py::test_async_and_sync_checkpoints_load_to_the_same_state",)),
+    Fault("the retired file kept for reuse is left behind after training", "src/gputrain/hooks/checkpoint.py",
+          (("                trainer.checkpoints.discard_spare()  # no next", "                pass  # no next"),),
+          ("tests/unit/test_checkpoint_writer.py::test_no_rotated_out_file_is_left_behind_when_training_ends_or_fails",)),
+    Fault("a recycled checkpoint file keeps its old tail", "src/gputrain/checkpoint_io.py",
+          (("os.ftruncate(f.fileno(), writer.size)", "pass"),),
+          ("tests/unit/test_checkpoint_store.py::"
+           "test_a_rotated_out_checkpoint_is_overwritten_by_a_later_save_and_everything_stays_whole",)),
+    Fault("best.pt's file recycled by rotation", "src/gputrain/checkpoint.py",
+          (("and path.stat().st_nlink == 1", "and path.stat().st_nlink >= 1"),),
+          ("tests/unit/test_checkpoint_store.py::"
+           "test_a_rotated_out_checkpoint_that_best_still_names_is_never_overwritten",)),
+    Fault("a retired file someone is reading gets overwritten", "src/gputrain/checkpoint.py",
+          (("        if len(self._spares) < MAX_SPARES and only_we_hold(spare):",
+            "        if len(self._spares) < MAX_SPARES:"),),
+          ("tests/unit/test_checkpoint_store.py::test_a_reader_of_a_rotated_out_checkpoint_keeps_the_bytes_it_opened",
+           "tests/unit/test_checkpoint_store.py::"
+           "test_saving_last_alone_reuses_the_file_it_replaces_unless_someone_reads_it")),
+    Fault("checkpoint files recycled on a network file system", "src/gputrain/checkpoint_io.py",
+          (("if setlease is None or file_system_type(str(path.parent)) not in LOCAL_FILE_SYSTEMS:", "if setlease is None:"),),
+          ("tests/unit/test_checkpoint_store.py::test_files_are_recycled_only_on_file_systems_no_other_machine_reads",)),
+    Fault("the file a save of last.pt alone replaces is not kept for reuse", "src/gputrain/checkpoint.py",
+          (("                self._adopt_spare(replaced)", "                replaced.unlink()"),),
+          ("tests/unit/test_checkpoint_store.py::"
+           "test_saving_last_alone_reuses_the_file_it_replaces_unless_someone_reads_it",)),
     Fault("async checkpoint saves overlap (the next does not wait, its error is lost)",
           "src/gputrain/checkpoint_writer.py",
           (("        self.wait()\n        if not self.asynchronous:", "        if not self.asynchronous:"),),
@@ -145,7 +195,7 @@ FAULTS: tuple[Fault, ...] = (
           (("buffer = old if fits and old is not None else", "buffer = old if False else"),),
           ("tests/unit/test_checkpoint_writer.py::"
            "test_the_next_save_reuses_the_host_buffers_only_after_the_previous_one_is_on_disk",)),
-    Fault("the finiteness check takes an overflowing sum for a NaN", "src/gputrain/resume.py",
+    Fault("the finiteness check takes an overflowing sum for a NaN", "src/gputrain/checkpoint_io.py",
           (("    return all(ok or bool(torch.isfinite(t).all()) for t, ok in zip(tensors, flags, strict=True))",
             "    return all(flags)"),),
           (f"{UNIT}::test_the_finiteness_check_finds_each_kind_of_non_finite_value_and_no_false_one",)),

@@ -17,7 +17,8 @@
   machine (a CPU with SHA instructions): see benchmarks/checkpoint_save.py.
 * **Crash order of a save.** (1) write the checkpoint to a temporary; (2) hard-link it (or copy) to the
   temporaries of ``last.pt`` and ``best.pt``; (3) write the manifest with the new entries as *pending*;
-  (4) rename the temporaries into place; (5) delete what rotation retired; (6) commit the manifest.
+  (4) rename the temporaries into place; (5) delete what rotation retired (or, where no other name or
+  process holds it, rename it to a hidden temporary the next save overwrites); (6) commit the manifest.
   A name's file is valid when it matches its pending or its committed entry, so a kill at any point
   leaves every final name valid or absent; the next save settles what a killed one left pending.
 * **Safe loads.** Always ``torch.load(weights_only=True)``: tensors and plain containers only.
@@ -29,7 +30,9 @@ import math
 import os
 import random
 import re
+import secrets
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +48,7 @@ from gputrain.checkpoint_io import (
     link_or_copy,
     manifest_entries,
     manifest_entry,
+    only_we_hold,
     read_manifest,
     write_manifest,
     write_temporary,
@@ -151,6 +155,10 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+MAX_SPARES = 2
+"""Retired checkpoint files a recycling store keeps for reuse (each one checkpoint's worth of disk)."""
+
+
 class CheckpointStore:
     """A run's checkpoint folder: numbered checkpoints, ``last.pt``, ``best.pt`` and ``manifest.json``.
 
@@ -160,7 +168,8 @@ class CheckpointStore:
     ``monitor`` is set.
     """
 
-    def __init__(self, folder: str | Path, *, keep_last: int = 3, monitor: str = "", monitor_mode: str = "min") -> None:
+    def __init__(self, folder: str | Path, *, keep_last: int = 3, monitor: str = "", monitor_mode: str = "min",
+                 recycle: bool = False) -> None:
         if keep_last < 2:
             raise ValueError(f"trainer.keep_last={keep_last} is too few: the newest checkpoint may be the one a crash "
                              "cut short, so at least 2 are kept; set trainer.keep_last=2 or more")
@@ -173,12 +182,19 @@ class CheckpointStore:
         self.monitor_mode = monitor_mode
         self.skipped: list[tuple[Path, str]] = []
         """What the last :meth:`latest_valid` passed over, and why."""
+        self.recycle = recycle
+        """Overwrite a rotated-out checkpoint with the next save instead of deleting it (see :meth:`_retire_file`);
+        whoever turns it on calls :meth:`discard_spare` after the last save."""
+        self._spares: list[Path] = []  # retired files no name points to, for the next saves to overwrite
 
-    def save(self, state: dict[str, Any], *, name: str, metrics: dict[str, float] | None = None) -> Path:
+    def save(self, state: dict[str, Any], *, name: str, metrics: dict[str, float] | None = None,
+             before_commit: Callable[[], None] | None = None) -> Path:
         """Write ``<name>.pt`` (unless ``name`` is empty), ``last.pt``, and ``best.pt`` when the monitor improves.
 
         Returns the numbered file, or ``last.pt`` when ``name`` is empty. Step and epoch for the
         manifest come from ``state["state"]`` (``global_step``, ``epoch``) when it has them.
+        ``before_commit`` runs once the file is written and before any name points to it; if it raises,
+        nothing is committed and the temporaries are removed (the background writer's last check).
         """
         numbered = _file_name(name)
         check_plain(state)  # fail now, not when a resume hours later cannot load the file
@@ -188,11 +204,14 @@ class CheckpointStore:
         targets = ([numbered] if numbered else []) + ["last.pt"]
         if self._improves(metrics, manifest["files"].get("best.pt")):
             targets.append("best.pt")
-        tmp, size, crc = write_temporary(state, self.folder, targets[0])
+        spare = self._spares.pop() if self._spares else None
+        tmp, size, crc = write_temporary(state, self.folder, targets[0], reuse=spare)
         temps = {targets[0]: tmp}
         try:
             for target in targets[1:]:
                 temps[target] = link_or_copy(tmp, self.folder, target)
+            if before_commit is not None:
+                before_commit()
             entry = manifest_entry(state, size, crc, seq, metrics)
             pending = {target: dict(entry) for target in targets}
             if numbered:
@@ -208,14 +227,64 @@ class CheckpointStore:
                 path.unlink(missing_ok=True)
             raise
         for target in targets:
+            replaced = self._second_name(self.folder / target)  # else the rename would free last.pt's old file
             os.replace(temps[target], self.folder / target)
+            if replaced is not None:
+                self._adopt_spare(replaced)
         fsync_folder(self.folder)
         for old in manifest["retire"]:
-            (self.folder / old).unlink(missing_ok=True)
+            self._retire_file(self.folder / old)
         files = {n: e for n, e in manifest["files"].items() if n not in manifest["retire"]} | pending
         # Lost in a power cut, this commit leaves the intent above, which the next save settles.
         write_manifest(self.folder, manifest | {"files": files, "pending": {}, "retire": []}, sync_folder=False)
         return self.folder / targets[0]
+
+    def _retire_file(self, path: Path) -> None:
+        """Take a rotated-out checkpoint's name away; keep its blocks for the next save where that is safe.
+
+        Only a file no other name shares (``best.pt`` is often a hard link to a numbered file) and no process
+        has open or mapped (a reader keeps the bytes it opened, as it would after a delete) is kept, under a
+        hidden temporary name that :func:`remove_stale_temporaries` clears after a crash; two at most, so a save
+        that retires nothing (``last.pt`` alone, at an epoch's end) does not leave the next one without.
+        """
+        try:
+            alone = len(self._spares) < MAX_SPARES and self.recycle and path.stat().st_nlink == 1
+        except FileNotFoundError:
+            return
+        if not alone:
+            path.unlink(missing_ok=True)
+            return
+        spare = self.folder / f".spare.{secrets.token_hex(4)}.tmp"
+        os.rename(path, spare)  # gone from its name at once, as a delete would make it
+        self._adopt_spare(spare)
+
+    def _second_name(self, path: Path) -> Path | None:
+        """Before ``path`` is replaced: a hidden second name for its file when no other name shares it.
+
+        A save of ``last.pt`` alone (an epoch's end with ``checkpoint_every_n_epochs=0``) replaces a file that
+        nothing retires; without this the next save would find no spare and write a new file.
+        """
+        try:
+            if len(self._spares) >= MAX_SPARES or not self.recycle or path.stat().st_nlink != 1:
+                return None
+            spare = self.folder / f".spare.{secrets.token_hex(4)}.tmp"
+            os.link(path, spare)
+        except OSError:  # no such file yet, or no hard links on this file system
+            return None
+        return spare
+
+    def _adopt_spare(self, spare: Path) -> None:
+        """Keep ``spare`` (a file no name points to any more) for the next save, or delete it if anyone holds it."""
+        if len(self._spares) < MAX_SPARES and only_we_hold(spare):
+            self._spares.append(spare)
+        else:
+            spare.unlink(missing_ok=True)
+
+    def discard_spare(self) -> None:
+        """Delete the retired files kept for the next saves (the end of training: no next save)."""
+        spares, self._spares = self._spares, []
+        for spare in spares:
+            spare.unlink(missing_ok=True)
 
     def path_for(self, name: str) -> Path:
         """The path :meth:`save` with this ``name`` returns: ``<name>.pt``, or ``last.pt`` when ``name`` is empty."""

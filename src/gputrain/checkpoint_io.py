@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -91,21 +92,115 @@ def link_or_copy(src: Path, folder: Path, name: str) -> Path:
     return dst
 
 
-def write_temporary(obj: Any, folder: Path, name: str) -> tuple[Path, int, str]:
-    """``torch.save`` into a durable temporary of ``folder`` for ``name``: (path, size, crc32 as 8 hex digits)."""
-    path, fd = open_temporary(folder, name)
+def write_temporary(obj: Any, folder: Path, name: str, *, reuse: Path | None = None) -> tuple[Path, int, str]:
+    """``torch.save`` into a durable temporary of ``folder`` for ``name``: (path, size, crc32 as 8 hex digits).
+
+    ``reuse``: a retired checkpoint no one else holds (:func:`only_we_hold`), renamed to the temporary and
+    overwritten in place rather than a new file created: its disk blocks and cached pages are already
+    allocated, so writing and fsync take about half as long (a 135 MB state on the test machine: 17 vs 32 ms
+    to write, 23 vs 42 ms to fsync, and no 22 ms unlink of the retired file), as databases recycle log files.
+    """
+    fd = -1
+    if reuse is not None:
+        path = folder / f".{name}.{secrets.token_hex(4)}.tmp"
+        try:
+            os.rename(reuse, path)
+            # Durable before the bytes change: after a power cut the retired name must not come back holding them.
+            fsync_folder(folder)
+            fd = os.open(path, os.O_WRONLY | getattr(os, "O_CLOEXEC", 0))  # no O_TRUNC: keep the blocks; cut below
+        except OSError:  # someone removed it meanwhile, say: write a new file
+            path.unlink(missing_ok=True)
+            reuse = None
+    if fd < 0:
+        path, fd = open_temporary(folder, name)
     try:
         with os.fdopen(fd, "wb") as f:
             writer = _ChecksumWriter(f)
             torch.save(obj, writer)  # type: ignore[arg-type]  # anything with write() and flush()
             f.flush()
+            if f.tell() != writer.size:  # torch.save seeked: the checksum would not hold
+                raise RuntimeError(f"torch.save wrote {writer.size} bytes but {path} ends at byte {f.tell()}")
+            if reuse is not None:
+                os.ftruncate(f.fileno(), writer.size)  # a recycled file may have been longer
             os.fsync(f.fileno())
-            if os.fstat(f.fileno()).st_size != writer.size:  # torch.save seeked: the checksum would not hold
-                raise RuntimeError(f"torch.save wrote {writer.size} bytes but {path} holds a different size")
     except BaseException:
         path.unlink(missing_ok=True)
         raise
     return path, writer.size, f"{writer.crc:08x}"
+
+
+LOCAL_FILE_SYSTEMS = frozenset({"ext2", "ext3", "ext4", "xfs", "btrfs", "f2fs", "zfs", "tmpfs", "overlay", "bcachefs"})
+"""File systems whose every reader is on this machine, where a lease sees every open file."""
+
+
+@functools.lru_cache(maxsize=64)
+def file_system_type(folder: str) -> str:
+    """The type of the file system ``folder`` lives on, from /proc/self/mountinfo ("" where unknown)."""
+    try:
+        lines = Path("/proc/self/mountinfo").read_text().splitlines()
+    except OSError:
+        return ""
+    target, best, kind = os.path.realpath(folder), "", ""
+    for line in lines:
+        fields, _, rest = line.partition(" - ")
+        parts = fields.split()
+        if len(parts) < 5 or not rest:
+            continue
+        mount = parts[4].replace("\\040", " ")
+        if (target == mount or target.startswith(mount.rstrip("/") + "/")) and len(mount) >= len(best):
+            best, kind = mount, rest.split()[0]
+    return kind
+
+
+def only_we_hold(path: Path) -> bool:
+    """Whether no process (this one included) has ``path`` open or mapped, so it may be overwritten in place.
+
+    Linux grants a write lease only then (fcntl F_SETLEASE). A lease sees the opens of this machine only, so
+    the answer is False on a file system other machines may read (NFS, Lustre, GPFS: anything not in
+    :data:`LOCAL_FILE_SYSTEMS`), on other systems, and where leases are refused: the caller then deletes the
+    file instead, which never disturbs a reader.
+    """
+    import fcntl
+
+    setlease = getattr(fcntl, "F_SETLEASE", None)
+    if setlease is None or file_system_type(str(path.parent)) not in LOCAL_FILE_SYSTEMS:
+        return False
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return False
+    try:
+        fcntl.fcntl(fd, setlease, fcntl.F_WRLCK)
+        fcntl.fcntl(fd, setlease, fcntl.F_UNLCK)
+        return True
+    except OSError:  # EAGAIN: someone has it open; EINVAL, EACCES: no leases here
+        return False
+    finally:
+        os.close(fd)
+
+
+def tensors_finite(tensors: list[torch.Tensor]) -> bool:
+    """Whether every element of every tensor is finite (not NaN, not +-inf).
+
+    Why sums: this runs for every checkpoint and at every epoch's end, and ``isfinite(t).all()`` writes a
+    mask as large as the state (73 ms for ResNet-18 with Adam on one CPU thread); a sum reads it once (6 ms).
+    A sum is NaN or inf whenever an element is; the rare finite tensor whose sum overflows is checked exactly.
+    """
+    if not tensors:
+        return True
+    # float32 accumulation at least: a float16 sum overflows at 65504 and would send every tensor to the exact check.
+    sums = [t.sum() if t.dtype in (torch.float32, torch.float64) or t.is_complex() else t.sum(dtype=torch.float32)
+            for t in tensors]
+    # One isfinite and one host sync per device and dtype, not per tensor (model_parallel's stages hold their
+    # tensors on different devices, so the sums cannot all be stacked together).
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, x in enumerate(sums):
+        groups.setdefault((x.device, x.dtype), []).append(i)
+    flags = [True] * len(sums)
+    for members in groups.values():
+        for i, ok in zip(members, torch.isfinite(torch.stack([sums[i] for i in members])).tolist(), strict=True):
+            flags[i] = ok
+    return all(ok or bool(torch.isfinite(t).all()) for t, ok in zip(tensors, flags, strict=True))
 
 
 def write_manifest(folder: Path, manifest: dict[str, Any], *, sync_folder: bool = True) -> None:

@@ -1,13 +1,23 @@
-"""Checkpoints off the critical path: the step copies the state, a background thread writes it.
+"""Checkpoints off the critical path: the step hands the state over, a background thread writes it.
 
-:meth:`CheckpointWriter.save` returns as soon as the state is a private copy: CPU tensors are copied
-(the next optimizer step updates parameters and optimizer buffers in place, so a reference would be
-written half old, half new), CUDA tensors are copied into pinned host buffers with non-blocking
-copies ordered on the current stream (the next step's kernels queue behind them, so the host does not
-wait), and containers are rebuilt, so nothing the loop holds is shared with the writer. The host
-buffers of one save are reused by the next where shapes match: a fresh 135 MB copy faults its pages in
-from the kernel, which made the copy take 2-4 times as long as copying into memory already mapped. A thread then
-serialises, checksums, fsyncs and commits the manifest through
+:meth:`CheckpointWriter.save` returns once nothing the loop does next can change what will be written.
+CUDA tensors are copied into pinned host buffers with non-blocking copies ordered on the current stream
+(the next step's kernels queue behind them, so the host does not wait). CPU tensors must be copied too (the
+next optimizer step updates parameters and optimizer buffers in place, so a reference would be written half
+old, half new), but not necessarily now: with ``volatile`` (what :func:`gputrain.resume.save_checkpoint`
+passes) only the tensors a forward pass may change (buffers such as BatchNorm statistics, frozen parameters)
+are copied in the step, and the thread copies the parameters and the optimizer state while the next step's
+forward and backward run, which only read them. The loop calls :meth:`CheckpointWriter.settle` before the next
+optimizer step (and before every hook): it waits for that copy and then checks each tensor's version counter,
+which every in-place operation on it bumps (writes through ``.data`` or a NumPy view do not: such models need
+``trainer.async_checkpoint=false``); a tensor changed in between (a model that writes a trainable parameter
+in its forward) means the copy may mix two states, so that checkpoint is not committed, a one-line warning
+names the tensor, and later saves copy everything in the step. Containers are always rebuilt in the step,
+so nothing the loop holds is shared with the thread.
+
+The host buffers of one save are reused by the next where shapes match: a fresh 135 MB copy faults its pages
+in from the kernel, which made the copy take 2-4 times as long as copying into memory already mapped. The
+thread serialises, checksums, fsyncs and commits the manifest through
 :meth:`~gputrain.checkpoint.CheckpointStore.save`, whose crash order is unchanged: a SIGKILL while the
 thread writes leaves the previous checkpoint valid and the new one as a hidden temporary only.
 
@@ -19,14 +29,16 @@ training, a signal's stop, a diverged run). An error in the thread is kept and r
 
 from __future__ import annotations
 
+import sys
 import threading
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from gputrain.checkpoint import CheckpointStore
-from gputrain.checkpoint_io import check_plain
+from gputrain.checkpoint_io import check_plain, tensors_finite
 
 
 class CheckpointWriteError(ValueError):
@@ -38,47 +50,140 @@ class CheckpointWriteError(ValueError):
     exit_code = 1
 
 
+class _Skipped(Exception):  # noqa: N818  (not an error of the run: that save is skipped, with a warning)
+    """The thread did not commit a save, on purpose; the message says why (printed once as a warning)."""
+
+
+class _SnapshotChanged(_Skipped):
+    """A tensor left to the writer thread was changed in place before :meth:`CheckpointWriter.settle`."""
+
+
+class _NotFinite(_Skipped):
+    """The snapshot holds NaN or inf: it must not replace a good checkpoint."""
+
+
+class _Deferred:
+    """The CPU tensors of one save that the writer thread copies while the next step's forward and backward run."""
+
+    def __init__(self) -> None:
+        self.pairs: list[tuple[torch.Tensor, torch.Tensor, int]] = []  # (source, host buffer, source's version)
+        self.copied = threading.Event()  # set by the thread once every source is in its buffer (or the copy failed)
+        self.settled = threading.Event()  # set by settle(): the verdict below is final
+        self.changed = ""  # the entry that changed before it was copied; the save must not be committed
+
+    def copy(self) -> None:
+        try:
+            for source, buffer, _ in self.pairs:
+                buffer.copy_(source)
+        finally:
+            self.copied.set()  # settle() never waits for a copy that failed: the error reaches wait()
+
+    def before_commit(self) -> None:
+        """Called by the store after the file is written and before it is committed: wait for the verdict."""
+        self.settled.wait()
+        if self.changed:
+            raise _SnapshotChanged(self.changed)
+
+
 class CheckpointWriter:
     """Writes a :class:`CheckpointStore`'s checkpoints, in a background thread when ``asynchronous``."""
 
     def __init__(self, store: CheckpointStore, *, asynchronous: bool = True) -> None:
         self.store = store
         self.asynchronous = asynchronous
+        self.defer_copies = True
+        """Whether CPU tensors not named ``volatile`` are copied by the thread; turned off for the rest of the run
+        once a deferred tensor was found changed before :meth:`settle`."""
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._writing: Path | None = None
+        self._deferred: _Deferred | None = None  # copies the thread owes until the next settle()
         self._buffers: list[torch.Tensor] = []  # host buffers of the previous save, reused when shapes match
+        self._pending_state: Any = None  # the snapshot in flight, to name an entry in settle()'s warning
+        self._warned_not_finite = False
 
     @property
     def idle(self) -> bool:
         """No save was handed to the thread since the last :meth:`wait` (or :meth:`save`) collected it."""
         return self._thread is None
 
-    def save(self, state: dict[str, Any], *, name: str, metrics: dict[str, float] | None = None) -> Path:
+    def save(self, state: dict[str, Any], *, name: str, metrics: dict[str, float] | None = None,
+             volatile: Iterable[torch.Tensor] | None = None, check_finite: bool = False) -> Path:
         """Write ``state`` as :meth:`CheckpointStore.save` does; returns the path it will have once written.
 
         Waits for the previous save first (raising its error, if it failed). Entries that
         ``torch.load(weights_only=True)`` would refuse are refused here, in the caller's thread.
+
+        ``volatile``: the tensors the caller may change in place before it calls :meth:`settle` (a model's
+        buffers, which a forward pass updates, and its frozen parameters). These, and every tensor sharing
+        memory with them, are copied now; the writer thread copies the other CPU tensors, so the caller must
+        call :meth:`settle` before it changes any of them (the next optimizer step). ``None``: everything is
+        copied now and :meth:`settle` is not needed.
+
+        ``check_finite``: the thread checks the copy it writes for NaN/inf and, if it finds any, skips the
+        save with one warning line (the caller's own checks end the run); what is written is then checked,
+        not what the caller held, and the check costs the step nothing.
         """
         self.wait()
         if not self.asynchronous:
             return self.store.save(state, name=name, metrics=metrics)
         check_plain(state)
         path = self.store.path_for(name)
-        snapshot, ready = self._snapshot(state)
+        deferred = _Deferred() if volatile is not None and self.defer_copies else None
+        busy = {-1} | {_storage(t) for t in volatile or ()}  # -1: no storage to compare; copied in the step
+        snapshot, ready = self._snapshot(state, deferred, busy)
+        if deferred is not None and not deferred.pairs:
+            deferred = None
         self._writing = path
-        self._thread = threading.Thread(target=self._write, args=(self.store, snapshot, ready, name, dict(metrics or {})),
-                                        name="gputrain-checkpoint-writer", daemon=True)
-        self._thread.start()
+        thread = threading.Thread(target=self._write,
+                                  args=(self.store, snapshot, ready, deferred, name, dict(metrics or {}),
+                                        self._buffers if check_finite else None),
+                                  name="gputrain-checkpoint-writer", daemon=True)
+        thread.start()
+        self._thread, self._deferred = thread, deferred  # only once it runs: settle() must not wait for nothing
         return path
+
+    def settle(self) -> None:
+        """Return once the thread holds its own copy of every tensor :meth:`save` left to it.
+
+        Call it before anything may change those tensors in place. Cheap when nothing is owed. A tensor
+        whose version counter moved since :meth:`save` was changed before the thread copied it, so the
+        checkpoint would mix two states: it is not committed, one warning line names the entry, and from
+        then on every tensor is copied in :meth:`save`.
+        """
+        deferred = self._deferred
+        if deferred is None:
+            return
+        # Whatever happens here (a second Ctrl-C lands in the wait), the thread gets a verdict and never commits
+        # a copy nobody checked; a verdict left unset would hold it, and wait(), forever.
+        verdict = "the run was interrupted before the copy was checked"
+        try:
+            deferred.copied.wait()
+            changed = [i for i, (source, _, version) in enumerate(deferred.pairs) if source._version != version]
+            verdict = _entry_holding(self._pending_state, deferred.pairs[changed[0]][1]) or "a tensor" if changed else ""
+        finally:
+            self._deferred = None
+            deferred.changed = verdict
+            deferred.pairs = []  # the sources may be a gathered full state (FSDP, pipeline): free it now
+            deferred.settled.set()
+        if verdict:
+            self.defer_copies = False
+            print(f"gputrain: warning: checkpoint {self._writing} was not written: {verdict} was changed in place "
+                  "after its step and before the next optimizer step or hook, so a copy taken in the background "
+                  "could mix two states; later checkpoints copy the whole state in the step",
+                  file=sys.stderr, flush=True)
 
     def wait(self) -> None:
         """Block until the save in flight is on disk; raise :class:`CheckpointWriteError` if it failed."""
+        self.settle()
         thread, self._thread = self._thread, None
         if thread is not None:
             thread.join()
         error, self._error = self._error, None
-        if error is not None:
+        if isinstance(error, _NotFinite) and not self._warned_not_finite:
+            self._warned_not_finite = True  # once: every later save of a diverged run would say the same
+            print(f"gputrain: warning: checkpoint {self._writing} was not written: {error}", file=sys.stderr, flush=True)
+        if error is not None and not isinstance(error, _Skipped):  # settle() reported a changed snapshot
             kept = self.store.latest_valid()
             raise CheckpointWriteError(
                 f"checkpoint {self._writing} was not written ({type(error).__name__}: {str(error).splitlines()[0]}); "
@@ -87,17 +192,28 @@ class CheckpointWriter:
                 "at the step that saves"
             ) from error
 
-    def _write(self, store: CheckpointStore, state: dict[str, Any], ready: Any, name: str,
-               metrics: dict[str, float]) -> None:
+    def _write(self, store: CheckpointStore, state: dict[str, Any], ready: Any, deferred: _Deferred | None,
+               name: str, metrics: dict[str, float], check: list[torch.Tensor] | None) -> None:
         try:
+            if deferred is not None:
+                deferred.copy()
             if ready is not None:
                 ready.synchronize()  # the device-to-host copies queued by _snapshot have landed
-            store.save(state, name=name, metrics=metrics or None)
+            if check is not None and not tensors_finite([t for t in check if t.is_floating_point() or t.is_complex()]):
+                raise _NotFinite("its weights or optimizer state hold NaN/inf; the newest written checkpoint is "
+                                 "kept, and the run stops at its next check of the loss or the weights")
+            store.save(state, name=name, metrics=metrics or None,
+                       before_commit=None if deferred is None else deferred.before_commit)
         except BaseException as err:  # noqa: BLE001  (kept for wait(), which raises it in the loop's thread)
             self._error = err
 
-    def _snapshot(self, state: dict[str, Any]) -> tuple[dict[str, Any], Any]:
-        """A private copy of ``state``, and a CUDA event the copies complete at (None when all were CPU)."""
+    def _snapshot(self, state: dict[str, Any], deferred: _Deferred | None,
+                  busy: set[int]) -> tuple[dict[str, Any], Any]:
+        """A private copy of ``state``, and a CUDA event the copies complete at (None when all were CPU).
+
+        CPU tensors outside ``busy`` (storages the caller may change before settle()) go to ``deferred``
+        when given: their buffers are placed in the copy now and filled by the thread.
+        """
         memo: dict[int, torch.Tensor] = {}  # a tensor listed twice (tied weights) stays one tensor
         previous, self._buffers = self._buffers, []
         on_cuda = False
@@ -106,8 +222,16 @@ class CheckpointWriter:
             nonlocal on_cuda
             if isinstance(obj, torch.Tensor):
                 if id(obj) not in memo:
-                    on_cuda = on_cuda or obj.device.type == "cuda"
-                    memo[id(obj)] = self._into_buffer(obj.detach(), previous)
+                    source = obj.detach()
+                    buffer = self._buffer_for(source, previous)
+                    if source.device.type == "cuda":
+                        on_cuda = True
+                        buffer.copy_(source, non_blocking=True)
+                    elif deferred is not None and _storage(source) not in busy and not source.is_inference():
+                        deferred.pairs.append((source, buffer, source._version))  # inference tensors have none
+                    else:
+                        buffer.copy_(source)
+                    memo[id(obj)] = buffer
                 return memo[id(obj)]
             if isinstance(obj, dict):
                 return {k: copy(v) for k, v in obj.items()}
@@ -118,19 +242,39 @@ class CheckpointWriter:
             return obj  # numbers, strings, None, dtypes: immutable
 
         snapshot = copy(state)
+        self._pending_state = snapshot  # only to name an entry in settle()'s warning
         ready = None
         if on_cuda:
             ready = torch.cuda.Event()
             ready.record()
         return snapshot, ready
 
-    def _into_buffer(self, tensor: torch.Tensor, previous: list[torch.Tensor]) -> torch.Tensor:
-        """Copy ``tensor`` into a host buffer, the previous save's where it fits; pinned, without blocking, for CUDA."""
+    def _buffer_for(self, tensor: torch.Tensor, previous: list[torch.Tensor]) -> torch.Tensor:
+        """A host buffer for ``tensor``: the previous save's where it fits, else a new one (pinned for CUDA)."""
         index, cuda = len(self._buffers), tensor.device.type == "cuda"
         old = previous[index] if index < len(previous) else None
         fits = (old is not None and (old.shape, old.stride(), old.dtype) == (tensor.shape, tensor.stride(), tensor.dtype)
                 and (not cuda or old.is_pinned()))
         buffer = old if fits and old is not None else torch.empty_like(tensor, device="cpu", pin_memory=cuda)
-        buffer.copy_(tensor, non_blocking=cuda)
         self._buffers.append(buffer)
         return buffer
+
+
+def _storage(tensor: torch.Tensor) -> int:
+    """Where a tensor's memory starts: views and detached aliases of one tensor share it."""
+    try:
+        return tensor.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # tensor subclasses without storage (DTensor): copied in the step
+        return -1
+
+
+def _entry_holding(state: Any, buffer: torch.Tensor, path: str = "state") -> str:
+    """The key path of ``buffer`` in ``state`` (``state['model']['w']``), or "" when it is not there."""
+    if state is buffer:
+        return path
+    items = state.items() if isinstance(state, dict) else enumerate(state) if isinstance(state, (list, tuple)) else ()
+    for key, value in items:
+        found = _entry_holding(value, buffer, f"{path}[{key!r}]")
+        if found:
+            return found
+    return ""

@@ -210,7 +210,7 @@ class Trainer:
             from gputrain.checkpoint import CheckpointStore, remove_stale_temporaries
 
             self.checkpoints = CheckpointStore(self.out / "checkpoints", keep_last=t.keep_last, monitor=t.monitor,
-                                               monitor_mode=t.monitor_mode)
+                                               monitor_mode=t.monitor_mode, recycle=True)
             if self.dist.is_main:
                 remove_stale_temporaries(self.out / "checkpoints")
             from gputrain.checkpoint_writer import CheckpointWriter
@@ -381,7 +381,15 @@ class Trainer:
 
     def _call(self, event: str, *args: Any) -> None:
         for hook in self.hooks:
+            self._settle_checkpoint()  # the save may come from the step or from the hook before this one
             getattr(hook, event)(self, *args)
+        self._settle_checkpoint()  # the optimizer step follows before_optimizer_step
+
+    def _settle_checkpoint(self) -> None:
+        """Wait until the writer thread has copied the weights and optimizer state of the last save, before a hook
+        or the optimizer step can change them (cheap when nothing is owed)."""
+        if self.checkpoint_writer is not None:
+            self.checkpoint_writer.settle()
 
 
 def default_hooks(cfg: RunConfig) -> list[Hook]:

@@ -121,6 +121,8 @@ def run_epoch(trainer: Trainer) -> dict[str, float]:
 
 def optimizer_step(trainer: Trainer) -> None:
     clip = trainer.cfg.trainer.grad_clip_norm
+    # First, before anything changes the weights: calling the hooks settles the checkpoint writer, whose thread may
+    # still be copying the weights of the last save (Trainer._call, _settle_checkpoint).
     trainer._call("before_optimizer_step")
     if clip > 0:
         trainer.precision.unscale(trainer.optimizer)

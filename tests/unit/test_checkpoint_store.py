@@ -264,3 +264,102 @@ def test_state_that_weights_only_would_refuse_is_refused_at_save(tmp_path):
     ok = _state(1) | {"extra": [(1, 2.5, None, "s", {3}), torch.Size([2]), torch.float16, torch.device("cpu")]}
     store.save(ok, name="step_000001")
     assert load_checkpoint(tmp_path / "step_000001.pt")["extra"][0] == (1, 2.5, None, "s", {3})
+
+
+# -- recycling a rotated-out file (issue 16: the trainer's stores overwrite it instead of deleting it) --------
+def _inode(path: Path) -> int:
+    return path.stat().st_ino
+
+
+def test_a_rotated_out_checkpoint_is_overwritten_by_a_later_save_and_everything_stays_whole(tmp_path):
+    """The next save reuses the retired file's blocks (same inode), cut to the new length. Planted faults: no
+    recycling (a new inode each save), no truncation (a shorter state left with the old tail: size and CRC fail)."""
+    store = CheckpointStore(tmp_path, keep_last=2, recycle=True)
+    inodes = {}
+    sizes = [4000, 4000, 4000, 1000, 1000]  # the fourth save is shorter than the file it reuses
+    for step, numel in enumerate(sizes, start=1):
+        store.save(_state(step, numel), name=f"step_{step:06d}")
+        inodes[step] = _inode(tmp_path / f"step_{step:06d}.pt")
+    assert sorted(p.name for p in tmp_path.glob("*.pt")) == ["last.pt", "step_000004.pt", "step_000005.pt"]
+    assert inodes[4] == inodes[1] and inodes[5] == inodes[2]  # step 1's blocks hold step 4, step 2's step 5
+    for name in ("step_000004.pt", "step_000005.pt", "last.pt"):
+        path = tmp_path / name
+        entry = _manifest(tmp_path)["files"][name]
+        assert path.stat().st_size == entry["size"]
+        assert f"{zlib.crc32(path.read_bytes()):08x}" == entry["crc32"]
+    assert torch.equal(load_checkpoint(tmp_path / "step_000004.pt")["model"]["w"], torch.full((1000,), 4.0))
+    hidden = [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]
+    assert len(hidden) == 1 and hidden[0].startswith(".spare.")  # step 3's file, kept for the next save
+    store.discard_spare()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_a_rotated_out_checkpoint_that_best_still_names_is_never_overwritten(tmp_path):
+    """best.pt is a hard link to a numbered file; rotation retires the number, not the file. Planted fault:
+    recycling without the link count (step 4 would be written into best.pt's bytes)."""
+    store = CheckpointStore(tmp_path, keep_last=2, monitor="val/loss", recycle=True)
+    for step, loss in enumerate([0.1, 0.5, 0.6, 0.7, 0.8], start=1):
+        store.save(_state(step), name=f"step_{step:06d}", metrics={"val/loss": loss})
+    assert _saved_step(tmp_path / "best.pt") == 1 and store.latest_valid() == tmp_path / "step_000005.pt"
+    assert _manifest(tmp_path)["files"]["best.pt"]["same_as"] == "step_000001.pt"
+    CheckpointStore(tmp_path).latest_valid()  # every listed file checks out
+    assert not CheckpointStore(tmp_path).skipped
+
+
+def test_a_reader_of_a_rotated_out_checkpoint_keeps_the_bytes_it_opened(tmp_path):
+    """Deleting a file never disturbs a process reading it; overwriting would. A file someone holds open is
+    deleted, not reused. Planted fault: recycling without asking whether anyone holds the file."""
+    store = CheckpointStore(tmp_path, keep_last=2, recycle=True)
+    store.save(_state(1), name="step_000001")
+    original = (tmp_path / "step_000001.pt").read_bytes()
+    with open(tmp_path / "step_000001.pt", "rb") as reader:  # e.g. an evaluation script loading it
+        for step in (2, 3, 4, 5):
+            store.save(_state(step), name=f"step_{step:06d}")
+        assert not (tmp_path / "step_000001.pt").exists()
+        assert reader.read() == original
+    assert _saved_step(tmp_path / "step_000005.pt") == 5
+
+
+def test_a_store_does_not_recycle_unless_asked(tmp_path):
+    store = CheckpointStore(tmp_path, keep_last=2)
+    for step in (1, 2, 3, 4):
+        store.save(_state(step), name=f"step_{step:06d}")
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_saving_last_alone_reuses_the_file_it_replaces_unless_someone_reads_it(tmp_path):
+    """An epoch's end with checkpoint_every_n_epochs=0 writes last.pt alone and retires nothing; the file it
+    replaces becomes the spare. Planted fault: replaced files are not kept (a new file at every such save)."""
+    store = CheckpointStore(tmp_path, keep_last=2, recycle=True)
+    inodes = []
+    for step in (1, 2, 3):
+        store.save(_state(step), name="")
+        inodes.append(_inode(tmp_path / "last.pt"))
+    assert inodes[2] == inodes[0] != inodes[1]
+    assert _saved_step(tmp_path / "last.pt") == 3
+    original = (tmp_path / "last.pt").read_bytes()
+    with open(tmp_path / "last.pt", "rb") as reader:
+        for step in (4, 5):
+            store.save(_state(step), name="")
+        assert reader.read() == original  # the file a reader holds was deleted from its name, never overwritten
+    assert _saved_step(tmp_path / "last.pt") == 5
+    store.discard_spare()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_files_are_recycled_only_on_file_systems_no_other_machine_reads(tmp_path, monkeypatch):
+    """A lease sees this machine's readers only: on NFS, Lustre or GPFS a reader on another node would be
+    overwritten, so retired files are deleted there. The type comes from /proc/self/mountinfo (read for real);
+    a network type is planted, as no network file system can be mounted here. Planted fault: the type ignored."""
+    from gputrain import checkpoint_io
+
+    assert checkpoint_io.file_system_type(str(tmp_path)) in checkpoint_io.LOCAL_FILE_SYSTEMS
+    assert checkpoint_io.file_system_type("/proc/self") == "proc"
+    (tmp_path / "f").write_bytes(b"x")
+    assert checkpoint_io.only_we_hold(tmp_path / "f")
+    monkeypatch.setattr(checkpoint_io, "file_system_type", lambda folder: "nfs4")
+    assert not checkpoint_io.only_we_hold(tmp_path / "f")
+    store = CheckpointStore(tmp_path / "ck", keep_last=2, recycle=True)
+    for step in (1, 2, 3, 4):
+        store.save(_state(step), name=f"step_{step:06d}")
+    assert not [p for p in (tmp_path / "ck").iterdir() if p.name.startswith(".")]

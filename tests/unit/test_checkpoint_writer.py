@@ -7,6 +7,10 @@
 * ``fit`` returns with every checkpoint on disk and the writer idle; a resume from an async
   checkpoint ends bitwise equal to the uninterrupted run.
 * A save that fails in the thread fails the next save (or the end) with one line naming the file.
+* Parameters and optimizer state are copied by the thread during the next step's forward and backward;
+  the optimizer step waits for that copy, and a tensor changed in place before it (a forward that writes a
+  trainable parameter) means that checkpoint is skipped with a warning naming it, never written mixed.
+* Rotated-out files are overwritten by later saves; none is left behind when training ends.
 
 Runs are real ``Trainer.fit`` calls of a tiny model in this process; the FIFO tests use a real thread.
 """
@@ -33,9 +37,9 @@ from gputrain.config import OptimConfig, RunConfig
 from gputrain.hooks.base import Hook
 
 
-def _fit(out: Path, **trainer: Any) -> Trainer:
+def _fit(out: Path, model: nn.Module | None = None, **trainer: Any) -> Trainer:
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    model = model or nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 1))
     g = torch.Generator().manual_seed(0)
     x = torch.randn(24, 4, generator=g)
     data = TensorDataset(x, x.sum(1, keepdim=True))
@@ -213,3 +217,130 @@ def test_the_next_save_reuses_the_host_buffers_only_after_the_previous_one_is_on
     folder = tmp_path / "checkpoints"
     assert torch.equal(load_checkpoint(folder / "step_000001.pt")["model"]["w"], torch.arange(1000, dtype=torch.float32))
     assert torch.equal(load_checkpoint(folder / "step_000002.pt")["model"]["w"], torch.arange(1000, dtype=torch.float32) + 1)
+
+
+def test_the_optimizer_step_waits_for_the_thread_to_copy_the_weights(tmp_path, monkeypatch):
+    """The thread is held before its copy for 0.3 s (a step of this model takes about a millisecond), so an
+    optimizer step that did not wait would change the weights first. Planted fault: no settle() before the step
+    (the copy would take the next step's weights, or the version check would skip the save)."""
+    import threading
+
+    from gputrain import checkpoint_writer
+
+    copy = checkpoint_writer._Deferred.copy
+
+    def held_copy(self: Any) -> None:
+        release = threading.Event()
+        threading.Timer(0.3, release.set).start()
+        release.wait()
+        copy(self)
+
+    monkeypatch.setattr(checkpoint_writer._Deferred, "copy", held_copy)
+    fast = _fit(tmp_path / "async", async_checkpoint=True, epochs=1)
+    monkeypatch.undo()
+    slow = _fit(tmp_path / "sync", async_checkpoint=False, epochs=1)
+    assert fast.checkpoint_writer.defer_copies  # nothing was changed early: the deferred copies stayed on
+    names = sorted(p.name for p in (tmp_path / "async" / "checkpoints").glob("*.pt"))
+    assert names == sorted(p.name for p in (tmp_path / "sync" / "checkpoints").glob("*.pt"))
+    assert "step_000001.pt" in names and "step_000002.pt" in names
+    for name in names:
+        a = load_checkpoint(tmp_path / "async" / "checkpoints" / name)
+        b = load_checkpoint(tmp_path / "sync" / "checkpoints" / name)
+        _assert_same_state(a["model"], b["model"])
+        _assert_same_state(a["optimizer"], b["optimizer"])
+    assert slow.state.global_step == fast.state.global_step
+
+
+class _WritesItsWeightInForward(nn.Module):
+    """A layer whose forward rescales a trainable parameter in place (as weight-normalising code may)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.lin.weight.mul_(1.0)  # same values, but an in-place write the version counter sees
+        return self.lin(x)
+
+
+def test_a_forward_that_writes_a_trainable_parameter_skips_that_checkpoint_with_one_warning(tmp_path, capsys):
+    """The first step checkpoint is copied in the background; the next forward writes the weight before the copy
+    is settled, so that checkpoint could mix two states: it is not written, one warning names the entry, and
+    every later save copies in the step and is written. Planted fault: settle() does not compare versions."""
+    torch.manual_seed(0)
+    t = _fit(tmp_path, model=_WritesItsWeightInForward(), async_checkpoint=True, epochs=1)
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "was not written" in line]
+    assert len(warnings) == 1, warnings
+    assert warnings[0].startswith(f"gputrain: warning: checkpoint {tmp_path / 'checkpoints' / 'step_000001.pt'} "
+                                  "was not written: state['model']['lin.weight'] was changed in place")
+    assert not t.checkpoint_writer.defer_copies
+    names = sorted(p.name for p in (tmp_path / "checkpoints").glob("*.pt"))
+    assert names == ["epoch_0001.pt", "last.pt", "step_000002.pt"]  # step 1 skipped, the rest whole
+    assert load_checkpoint(tmp_path / "checkpoints" / "step_000002.pt")["state"]["global_step"] == 2
+    assert read_manifest(tmp_path / "checkpoints")["pending"] == {}
+
+
+class _FailAfter(Hook):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def after_step(self, trainer: Trainer, logs: Any) -> None:
+        if trainer.state.global_step == self.step:
+            raise RuntimeError("planted failure")
+
+
+def test_no_rotated_out_file_is_left_behind_when_training_ends_or_fails(tmp_path):
+    """Rotation keeps one retired file for the next save to overwrite; the end of fit, normal or not, deletes it.
+    Planted fault: the spare is not discarded after the last save."""
+    t = _fit(tmp_path / "ends", async_checkpoint=True, keep_last=2, epochs=3)
+    assert t.checkpoints.recycle
+    assert not [p.name for p in (tmp_path / "ends" / "checkpoints").iterdir() if p.name.startswith(".")]
+    with pytest.raises(RuntimeError, match="planted failure"):
+        _fit(tmp_path / "fails", async_checkpoint=True, keep_last=2, epochs=3, hooks=[_FailAfter(7)])
+    folder = tmp_path / "fails" / "checkpoints"
+    assert not [p.name for p in folder.iterdir() if p.name.startswith(".")]
+    assert load_checkpoint(folder / "last.pt")["state"]["global_step"] == 6
+
+
+def test_an_interrupt_while_settling_neither_commits_an_unchecked_copy_nor_hangs_the_writer(tmp_path, monkeypatch):
+    """A second Ctrl-C can land in settle()'s wait for the thread's copy. The thread must still get a verdict
+    (else it, and every later wait(), blocks forever) and that verdict must be "do not commit": nobody compared
+    the versions. Planted fault: the verdict set only on the normal path."""
+    import threading
+
+    from gputrain import checkpoint_writer
+
+    release = threading.Event()
+    copy = checkpoint_writer._Deferred.copy
+
+    def held_copy(self: Any) -> None:
+        release.wait()
+        copy(self)
+
+    monkeypatch.setattr(checkpoint_writer._Deferred, "copy", held_copy)
+    store = CheckpointStore(tmp_path / "checkpoints")
+    writer = CheckpointWriter(store)
+    weights = torch.arange(10, dtype=torch.float32)
+    writer.save({"model": {"w": weights}, "state": {"global_step": 1}}, name="step_000001", volatile=[])
+
+    real_event = writer._deferred.copied
+
+    class _Interrupted:
+        def wait(self, timeout: float | None = None) -> bool:
+            raise KeyboardInterrupt  # what SIGINT's handler raises in the main thread
+
+        def set(self) -> None:  # the thread's side stays real
+            real_event.set()
+
+    writer._deferred.copied = _Interrupted()
+    with pytest.raises(KeyboardInterrupt):
+        writer.settle()
+    release.set()
+    done = threading.Thread(target=writer.wait, daemon=True)
+    done.start()
+    done.join(timeout=30)
+    assert not done.is_alive(), "wait() hangs: the thread never got a verdict"
+    assert real_event.is_set()
+    assert not (store.folder / "step_000001.pt").exists()
+    assert not [p.name for p in store.folder.iterdir() if p.name.endswith(".tmp")]

@@ -135,15 +135,29 @@ def _diverge(out: Path, **trainer: Any) -> NonFiniteError:
     return info.value
 
 
-def test_divergence_inside_an_epoch_writes_nothing_non_finite(tmp_path):
-    """Fault: save_checkpoint writes without checking (a step checkpoint holds the overflowed weights)."""
+def test_divergence_inside_an_epoch_writes_nothing_non_finite(tmp_path, capsys):
+    """Fault: save_checkpoint writes without checking (a step checkpoint holds the overflowed weights). In the
+    background (the default) the writer thread checks its copy and skips the save with one warning."""
     error = _diverge(tmp_path, checkpoint_every_n_steps=1)
+    skipped = [line for line in capsys.readouterr().err.splitlines() if "was not written" in line]
+    assert skipped == [f"gputrain: warning: checkpoint {tmp_path / 'checkpoints' / 'step_000003.pt'} was not written: "
+                       "its weights or optimizer state hold NaN/inf; the newest written checkpoint is kept, and the run "
+                       "stops at its next check of the loss or the weights"]
     folder = tmp_path / "checkpoints"
     saved = sorted(p.name for p in folder.glob("*.pt"))
     assert saved == ["epoch_0001.pt", "last.pt", "step_000001.pt"]  # nothing from epoch 2
     for name in saved:
         assert _non_finite(folder / name) == []
     assert f"the last good checkpoint, {folder / 'epoch_0001.pt'}, is kept" in str(error)
+
+
+def test_divergence_inside_an_epoch_stops_a_synchronous_save_before_it_writes(tmp_path):
+    """With trainer.async_checkpoint=false every rank checks before writing, and the run stops at that step.
+    Planted fault: save_checkpoint writes without checking."""
+    error = _diverge(tmp_path, checkpoint_every_n_steps=1, async_checkpoint=False)
+    folder = tmp_path / "checkpoints"
+    assert sorted(p.name for p in folder.glob("*.pt")) == ["epoch_0001.pt", "last.pt", "step_000001.pt"]
+    assert "the loss, weights or optimizer state became NaN/inf at epoch 2 step 3" in str(error)
 
 
 def test_divergence_at_the_end_of_an_epoch_keeps_the_last_good_checkpoint(tmp_path):

@@ -29,7 +29,10 @@ class CheckpointHook(Hook):
 
     def after_fit(self, trainer: Trainer, summary: dict[str, Any]) -> None:
         if trainer.checkpoint_writer is not None:
-            trainer.checkpoint_writer.wait()  # a failed last save fails the run, in one line
+            try:
+                trainer.checkpoint_writer.wait()  # a failed last save fails the run, in one line
+            finally:
+                trainer.checkpoints.discard_spare()  # no next save to reuse a retired file's blocks
 
     def on_exception(self, trainer: Trainer, error: BaseException) -> None:
         if trainer.checkpoint_writer is None:
@@ -38,3 +41,5 @@ class CheckpointHook(Hook):
             trainer.checkpoint_writer.wait()  # finish the save in flight: it is the one a resume starts from
         except Exception as failed:  # noqa: BLE001  (the run's own error is the one to raise)
             print(f"gputrain: error: {failed}", file=sys.stderr, flush=True)
+        finally:
+            trainer.checkpoints.discard_spare()
