@@ -164,6 +164,11 @@ FAULTS: tuple[Fault, ...] = (
     Fault("the retired file kept for reuse is left behind after training", "src/gputrain/hooks/checkpoint.py",
           (("                trainer.checkpoints.discard_spare()  # no next", "                pass  # no next"),),
           ("tests/unit/test_checkpoint_writer.py::test_no_rotated_out_file_is_left_behind_when_training_ends_or_fails",)),
+    Fault("rotated-out checkpoint files are never recycled", "src/gputrain/checkpoint.py",
+          (("alone = len(self._spares) < MAX_SPARES and self.recycle and path.stat().st_nlink == 1",
+            "alone = False and path.stat().st_nlink == 1"),),
+          ("tests/unit/test_checkpoint_store.py::"
+           "test_a_rotated_out_checkpoint_is_overwritten_by_a_later_save_and_everything_stays_whole",)),
     Fault("a recycled checkpoint file keeps its old tail", "src/gputrain/checkpoint_io.py",
           (("os.ftruncate(f.fileno(), writer.size)", "pass"),),
           ("tests/unit/test_checkpoint_store.py::"

@@ -160,8 +160,10 @@ def only_we_hold(path: Path) -> bool:
     :data:`LOCAL_FILE_SYSTEMS`), on other systems, and where leases are refused: the caller then deletes the
     file instead, which never disturbs a reader.
     """
-    import fcntl
-
+    try:
+        import fcntl
+    except ImportError:  # Windows
+        return False
     setlease = getattr(fcntl, "F_SETLEASE", None)
     if setlease is None or file_system_type(str(path.parent)) not in LOCAL_FILE_SYSTEMS:
         return False

@@ -271,17 +271,26 @@ def _inode(path: Path) -> int:
     return path.stat().st_ino
 
 
+def _spare_inodes(folder: Path) -> set[int]:
+    """Inodes of the hidden spares. A spare keeps its file alive, so no new file can take its inode number
+    (a freed one can be handed out again at once: equal numbers alone would not prove a file was reused)."""
+    return {_inode(p) for p in folder.glob(".spare.*.tmp")}
+
+
 def test_a_rotated_out_checkpoint_is_overwritten_by_a_later_save_and_everything_stays_whole(tmp_path):
-    """The next save reuses the retired file's blocks (same inode), cut to the new length. Planted faults: no
-    recycling (a new inode each save), no truncation (a shorter state left with the old tail: size and CRC fail)."""
+    """The next save reuses the retired file's blocks (the spare's inode), cut to the new length. Planted faults:
+    no recycling (no spare, a new file each save), no truncation (a shorter state left with the old tail)."""
     store = CheckpointStore(tmp_path, keep_last=2, recycle=True)
-    inodes = {}
     sizes = [4000, 4000, 4000, 1000, 1000]  # the fourth save is shorter than the file it reuses
+    reused = []
     for step, numel in enumerate(sizes, start=1):
+        spares = _spare_inodes(tmp_path)
         store.save(_state(step, numel), name=f"step_{step:06d}")
-        inodes[step] = _inode(tmp_path / f"step_{step:06d}.pt")
+        if step >= 4:
+            assert len(spares) == 1  # step 3 retired step 1's file (keep_last=2), step 4 step 2's
+            reused.append(_inode(tmp_path / f"step_{step:06d}.pt") in spares)
+    assert reused == [True, True]
     assert sorted(p.name for p in tmp_path.glob("*.pt")) == ["last.pt", "step_000004.pt", "step_000005.pt"]
-    assert inodes[4] == inodes[1] and inodes[5] == inodes[2]  # step 1's blocks hold step 4, step 2's step 5
     for name in ("step_000004.pt", "step_000005.pt", "last.pt"):
         path = tmp_path / name
         entry = _manifest(tmp_path)["files"][name]
@@ -331,11 +340,12 @@ def test_saving_last_alone_reuses_the_file_it_replaces_unless_someone_reads_it(t
     """An epoch's end with checkpoint_every_n_epochs=0 writes last.pt alone and retires nothing; the file it
     replaces becomes the spare. Planted fault: replaced files are not kept (a new file at every such save)."""
     store = CheckpointStore(tmp_path, keep_last=2, recycle=True)
-    inodes = []
-    for step in (1, 2, 3):
-        store.save(_state(step), name="")
-        inodes.append(_inode(tmp_path / "last.pt"))
-    assert inodes[2] == inodes[0] != inodes[1]
+    store.save(_state(1), name="")
+    first = _inode(tmp_path / "last.pt")
+    store.save(_state(2), name="")
+    assert _spare_inodes(tmp_path) == {first}  # the replaced file lives on, hidden
+    store.save(_state(3), name="")
+    assert _inode(tmp_path / "last.pt") == first  # and holds the third save
     assert _saved_step(tmp_path / "last.pt") == 3
     original = (tmp_path / "last.pt").read_bytes()
     with open(tmp_path / "last.pt", "rb") as reader:
