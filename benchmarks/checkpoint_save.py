@@ -8,6 +8,8 @@ autoencoder state with Adam, the median over interleaved trials of
     before the store): what durability alone costs;
   * ``CheckpointStore.save``: that, plus CRC-32 while writing, ``last.pt`` as a hard link, the
     manifest written twice (intent, commit) and rotation (keep_last=2, so every save also deletes one);
+  * ``recycled``: the same store as the trainer builds it (``recycle=True``), which overwrites the file
+    rotation retired instead of deleting it and creating a new one;
 
 and the median of per-trial ratios. Each variant writes a new file and the previous one is deleted,
 so none overwrites in place; ``os.sync()`` runs (untimed) after each, so no variant pays for the
@@ -87,15 +89,17 @@ def timed(fn: Callable[[], Any]) -> tuple[float, float]:
 
 def compare(state: dict[str, Any], folder: Path, pairs: int) -> dict[str, Any]:
     store = CheckpointStore(folder / "store", keep_last=2)
+    recycled = CheckpointStore(folder / "recycled", keep_last=2, recycle=True)  # what the trainer uses
     plain, durable = folder / "plain", folder / "durable"
     plain.mkdir()
     durable.mkdir()
-    times: dict[str, list[tuple[float, float]]] = {"torch.save": [], "durable": [], "store.save": []}
+    times: dict[str, list[tuple[float, float]]] = {"torch.save": [], "durable": [], "store.save": [], "recycled": []}
     for i in range(pairs + 1):  # the first round warms caches and allocators and is dropped
         rounds: dict[str, Callable[[], Any]] = {
             "torch.save": functools.partial(torch.save, state, plain / f"{i}.pt"),
             "durable": functools.partial(durable_save, state, durable / f"{i}.pt"),
             "store.save": functools.partial(store.save, state, name=f"step_{i:06d}"),
+            "recycled": functools.partial(recycled.save, state, name=f"step_{i:06d}"),
         }
         order = list(rounds) if i % 2 else list(reversed(rounds))  # alternate who goes first
         for name in order:
@@ -105,6 +109,7 @@ def compare(state: dict[str, Any], folder: Path, pairs: int) -> dict[str, Any]:
                 times[name].append(result)
         for old in (plain / f"{i}.pt", durable / f"{i}.pt"):
             old.unlink()
+    recycled.discard_spare()
     size = (folder / "store" / "last.pt").stat().st_size
     median = {name: statistics.median(w for w, _ in rows) for name, rows in times.items()}
     cpu = {name: statistics.median(c for _, c in rows) for name, rows in times.items()}
@@ -116,6 +121,7 @@ def compare(state: dict[str, Any], folder: Path, pairs: int) -> dict[str, Any]:
             "store/torch.save": ratio("store.save", "torch.save"),
             "store/durable": ratio("store.save", "durable"),
             "durable/torch.save": ratio("durable", "torch.save"),
+            "recycled/store": ratio("recycled", "store.save"), "cpu recycled/store": ratio("recycled", "store.save", 1),
             "cpu store/torch.save": ratio("store.save", "torch.save", 1),
             "cpu store/durable": ratio("store.save", "durable", 1)}
 
@@ -241,14 +247,15 @@ def main() -> None:
             folder.mkdir()
             results["save"][label] = compare(state, folder, args.pairs)
 
-    print("| state | size | torch.save | durable | store.save | store / torch.save | store / durable "
-          "| CPU: store / torch.save | CPU: store / durable |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| state | size | torch.save | durable | store.save | recycled | store / torch.save | store / durable "
+          "| recycled / store | CPU: store / torch.save | CPU: store / durable | CPU: recycled / store |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for label, r in results["save"].items():
         w = r["wall_s"]
         print(f"| {label} | {r['bytes'] / 1e6:.1f} MB | {w['torch.save'] * 1e3:.1f} ms | {w['durable'] * 1e3:.1f} ms "
-              f"| {w['store.save'] * 1e3:.1f} ms | {r['store/torch.save']:.2f}x | {r['store/durable']:.2f}x "
-              f"| {r['cpu store/torch.save']:.2f}x | {r['cpu store/durable']:.2f}x |")
+              f"| {w['store.save'] * 1e3:.1f} ms | {w['recycled'] * 1e3:.1f} ms | {r['store/torch.save']:.2f}x "
+              f"| {r['store/durable']:.2f}x | {r['recycled/store']:.2f}x | {r['cpu store/torch.save']:.2f}x "
+              f"| {r['cpu store/durable']:.2f}x | {r['cpu recycled/store']:.2f}x |")
     print(f"\nMedians of {args.pairs} interleaved trials; ratios are medians of per-trial ratios.\n")
     print("| checksum | GB/s |")
     print("|---|---:|")
