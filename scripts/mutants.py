@@ -373,6 +373,19 @@ FAULTS: tuple[Fault, ...] = (
     Fault("a corrupt image decoded on the device is not named", "src/gputrain/data/device_decode.py",
           (("        raise DataError(f\"image {image.path} is unreadable", "        raise RuntimeError(f\"image is unreadable"),),
           ("tests/unit/test_device_decode.py::test_a_corrupt_jpeg_is_one_line_naming_the_file",)),
+    # -- issue 16 item 2: uint8 batches normalized on the device --------------------------------------------
+    Fault("the device scales uint8 pixels by its own arithmetic", "src/gputrain/data/device_normalize.py",
+          (("return cast(Tensor, normalize_transform(self.mean, self.std)(moved))",
+            "mean, std = (torch.tensor(v, device=device).view(-1, 1, 1) for v in (self.mean, self.std))\n"
+            "        return (moved.float() / 255 - mean) / std"),),
+          ("tests/unit/test_device_normalize.py::test_a_batch_normalized_on_the_device_equals_the_one_normalized_in_workers",)),
+    Fault("normalize_on_device=auto turns on without a GPU", "src/gputrain/tasks/classification.py",
+          (("        return cfg.trainer.accelerator != \"cpu\" and torch.cuda.is_available()",
+            "        return cfg.trainer.accelerator != \"cpu\" or torch.cuda.is_available()"),),
+          ("tests/unit/test_device_normalize.py::test_auto_keeps_the_usual_path_on_a_cpu",)),
+    Fault("training images are normalized twice", "src/gputrain/tasks/classification.py",
+          (("normalize=not normalize_on_device(cfg))", "normalize=True)"),),
+          ("tests/unit/test_device_normalize.py::test_a_batch_normalized_on_the_device_equals_the_one_normalized_in_workers",)),
 )
 
 

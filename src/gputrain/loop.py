@@ -230,7 +230,8 @@ class Trainer:
         """Resolve the speed options for this device and task (docs/performance.md); the model in its memory format."""
         from gputrain import fast_path
 
-        self.fast: FastPath = fast_path.resolve(self.cfg, self.dist.device, fixed_shapes=task.fixed_shapes)
+        self.fast: FastPath = fast_path.resolve(self.cfg, self.dist.device, fixed_shapes=task.fixed_shapes,
+                                                normalize_on_device=getattr(task, "normalizes_on_device", False))
         self.cfg = fast_path.with_resolved(self.cfg, self.fast)
         self.fast.apply_backend_flags()
         return self.fast.prepare_model(model)

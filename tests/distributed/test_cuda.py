@@ -134,3 +134,15 @@ def test_images_decoded_on_the_gpu_match_the_cpu_decoder_under_the_same_seeds(tm
     # The same crops and flips (the samples' seeds); nvJPEG and libjpeg differ by about a grey level
     # (1/255 / 0.225 = 0.017 after normalisation) in some pixels.
     assert float((gpu.cpu() - cpu).abs().mean()) < 0.05
+
+
+def test_uint8_batches_pinned_and_normalized_on_the_gpu_equal_the_cpu_normalization():
+    from gputrain.data.device_normalize import PixelBatch
+    from gputrain.data.images import IMAGENET_MEAN, IMAGENET_STD
+
+    pixels = torch.randint(0, 256, (8, 3, 32, 32), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    batch = PixelBatch(pixels, IMAGENET_MEAN, IMAGENET_STD).pin_memory()  # what the loader's pin thread calls
+    assert batch.pixels.is_pinned()
+    gpu = batch.to_device(CUDA0, non_blocking=True)
+    assert gpu.device == CUDA0 and gpu.dtype == torch.float32
+    assert torch.equal(gpu.cpu(), batch.to_device(torch.device("cpu")))  # IEEE mul, sub, div: the same bits

@@ -39,15 +39,16 @@ from gputrain.data.images import (
 Transform = Callable[[Tensor], Any]
 
 
-def classification_transform(size: int, *, train: bool) -> Callable[[Tensor], Tensor]:
+def classification_transform(size: int, *, train: bool, normalize: bool = True) -> Callable[[Tensor], Tensor]:
     """The usual pipeline on ``uint8`` tensors: random-resized-crop + flip for training, resize + centre-crop
-    for evaluation; both end as float normalized by the ImageNet mean/std."""
+    for evaluation; both end as float normalized by the ImageNet mean/std, or stay ``uint8`` with
+    ``normalize=False`` (data.normalize_on_device: the training device normalizes)."""
     geometry: list[Any] = (
         [v2.RandomResizedCrop(size, antialias=True), v2.RandomHorizontalFlip()]
         if train
         else [v2.Resize(size, antialias=True), v2.CenterCrop(size)]
     )
-    return v2.Compose([*geometry, normalize_transform(IMAGENET_MEAN, IMAGENET_STD)])
+    return v2.Compose([*geometry, *([normalize_transform(IMAGENET_MEAN, IMAGENET_STD)] if normalize else [])])
 
 
 class ClassFolder(ImageFolder):

@@ -30,7 +30,14 @@ class ClassificationTask(Task):
         self.num_classes, self.class_names, self.mean, self.std = num_classes, class_names, mean, std
 
     train_collate: Callable[[list[Any]], Any] | None = None
-    """Set where training images are decoded on the device (data.decode_on_device): collates their bytes."""
+    """Set where training images are decoded (data.decode_on_device: collates their bytes) or normalized
+    (data.normalize_on_device: collates ``uint8`` pixels) on the device."""
+
+    @property
+    def normalizes_on_device(self) -> bool:
+        from gputrain.data.device_normalize import PixelCollate
+
+        return isinstance(self.train_collate, PixelCollate)
 
     def collate_fn(self) -> Callable[[list[Any]], Any] | None:
         return self.train_collate
@@ -92,8 +99,9 @@ def _cifar10(cfg: RunConfig) -> tuple:
     from gputrain.data.cifar10 import CIFAR10
 
     normalize = eval_preprocess(cfg)
-    train_tf = v2.Compose([v2.RandomCrop(32, padding=4), v2.RandomHorizontalFlip(), normalize]) if cfg.data.augment \
-        else normalize
+    train_normalize = [] if normalize_on_device(cfg) else [normalize]
+    train_tf = v2.Compose([v2.RandomCrop(32, padding=4), v2.RandomHorizontalFlip(), *train_normalize]) \
+        if cfg.data.augment else v2.Compose(train_normalize)
     return CIFAR10(cfg.data.root, train=True, transform=train_tf), CIFAR10(cfg.data.root, train=False, transform=normalize), 10
 
 
@@ -101,7 +109,7 @@ def _classfolder(cfg: RunConfig) -> tuple:
     from gputrain.data.classfolder import ClassFolder, split_classfolder
 
     size = cfg.data.image_size or 224
-    train_tf = classification_transform(size, train=cfg.data.augment)
+    train_tf = classification_transform(size, train=cfg.data.augment, normalize=not normalize_on_device(cfg))
     val_tf = eval_preprocess(cfg)
     encoded = on_device_decoding(cfg)
     if cfg.data.val_root:
@@ -124,6 +132,16 @@ def on_device_decoding(cfg: RunConfig) -> bool:
     return cfg.data.decode_on_device and not cfg.data.synthetic
 
 
+def normalize_on_device(cfg: RunConfig) -> bool:
+    """data.normalize_on_device with ``auto`` resolved (on when the run trains on a GPU); off where images are
+    decoded on the device, whose batches are made there anyway."""
+    if on_device_decoding(cfg):
+        return False
+    if cfg.data.normalize_on_device == "auto":
+        return cfg.trainer.accelerator != "cpu" and torch.cuda.is_available()
+    return bool(cfg.data.normalize_on_device)
+
+
 def build(cfg: RunConfig) -> TaskSpec:
     if cfg.data.format not in ("cifar10", "classfolder"):
         raise ValueError(f"data.format={cfg.data.format!r}: classification reads cifar10 or classfolder")
@@ -139,5 +157,9 @@ def build(cfg: RunConfig) -> TaskSpec:
 
         task.train_collate = EncodedCollate(classification_transform(cfg.data.image_size or 224,
                                                                      train=cfg.data.augment))
+    elif normalize_on_device(cfg):
+        from gputrain.data.device_normalize import PixelCollate
+
+        task.train_collate = PixelCollate(mean, std)
     return TaskSpec(task=task, model=model, train_data=train, val_data=val,
                     example_input=val[0][0].unsqueeze(0))
