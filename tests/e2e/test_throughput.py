@@ -59,3 +59,20 @@ def test_bench_throughput_prints_a_table_and_writes_the_json_keys(tmp_path):
     assert "| input-bound ratio (real / synthetic) |" in done.stdout
     assert "synthetic: true" in (tmp_path / "out" / "synthetic" / "config.yaml").read_text()
     assert "synthetic: false" in (tmp_path / "out" / "real" / "config.yaml").read_text()
+
+
+def test_flops_are_counted_on_the_float_image_and_nothing_is_written_where_the_command_runs(tmp_path, monkeypatch):
+    from gputrain.data.classfolder import make_classfolder
+    from gputrain.data.coco_sample import make_coco
+    from gputrain.tools.throughput import flops_per_image
+
+    classes = make_classfolder(tmp_path / "classes", classes=2, per_class=4, size=32, seed=0)
+    coco = make_coco(tmp_path / "coco", num_images=6, size=64)
+    monkeypatch.chdir(tmp_path / "classes")
+    common = [f"data.root={classes}", "data.image_size=32", "model.name=resnet18"]
+    usual = flops_per_image("imagefolder-resnet50", common)
+    assert usual and usual > 1e6  # at 32x32 the last maps are 1x1: counted on two images, reported per image
+    for option in ("data.normalize_on_device=true", "data.decode_on_device=true"):  # uint8 or bytes in workers
+        assert flops_per_image("imagefolder-resnet50", [*common, option]) == usual
+    assert flops_per_image("coco-maskrcnn", [f"data.root={coco}"]) is None  # structured inputs: not counted
+    assert sorted(p.name for p in (tmp_path / "classes").iterdir()) == ["circle", "square"]  # no splits/ here
