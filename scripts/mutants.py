@@ -165,8 +165,7 @@ FAULTS: tuple[Fault, ...] = (
           (("                trainer.checkpoints.discard_spare()  # no next", "                pass  # no next"),),
           ("tests/unit/test_checkpoint_writer.py::test_no_rotated_out_file_is_left_behind_when_training_ends_or_fails",)),
     Fault("rotated-out checkpoint files are never recycled", "src/gputrain/checkpoint.py",
-          (("alone = len(self._spares) < MAX_SPARES and self.recycle and path.stat().st_nlink == 1",
-            "alone = False and path.stat().st_nlink == 1"),),
+          (("            keep = self._may_keep(path)", "            keep = False and self._may_keep(path)"),),
           ("tests/unit/test_checkpoint_store.py::"
            "test_a_rotated_out_checkpoint_is_overwritten_by_a_later_save_and_everything_stays_whole",)),
     Fault("a recycled checkpoint file keeps its old tail", "src/gputrain/checkpoint_io.py",
@@ -373,6 +372,16 @@ FAULTS: tuple[Fault, ...] = (
     Fault("a corrupt image decoded on the device is not named", "src/gputrain/data/device_decode.py",
           (("        raise DataError(f\"image {image.path} is unreadable", "        raise RuntimeError(f\"image is unreadable"),),
           ("tests/unit/test_device_decode.py::test_a_corrupt_jpeg_is_one_line_naming_the_file",)),
+    # -- issue 16 item 4: one CRC pass (torch's zip records), bound to the manifest ------------------------
+    Fault("the records' bytes are not checked against their CRCs", "src/gputrain/checkpoint_io.py",
+          (("                    bad = archive.testzip()", "                    bad = None"),),
+          ("tests/unit/test_checkpoint_store.py::test_bit_flip_that_torch_load_accepts_is_caught",)),
+    Fault("any intact zip passes for the manifest's file", "src/gputrain/checkpoint_io.py",
+          (("if any(e[\"zip_crc32\"] == records for e in zipped):", "if zipped:"),),
+          ("tests/unit/test_checkpoint_store.py::test_a_valid_checkpoint_of_the_same_size_is_not_the_one_listed",)),
+    Fault("with torch's record CRCs off nothing checks the bytes", "src/gputrain/checkpoint_io.py",
+          (("writer = _ChecksumWriter(f, crc=not torch_writes_record_crcs())", "writer = _ChecksumWriter(f, crc=False)"),),
+          ("tests/unit/test_checkpoint_store.py::test_with_torchs_record_crcs_off_the_whole_file_is_checksummed",)),
     # -- issue 16 item 2: uint8 batches normalized on the device --------------------------------------------
     Fault("the device scales uint8 pixels by its own arithmetic", "src/gputrain/data/device_normalize.py",
           (("return cast(Tensor, normalize_transform(self.mean, self.std)(moved))",

@@ -205,14 +205,14 @@ class CheckpointStore:
         if self._improves(metrics, manifest["files"].get("best.pt")):
             targets.append("best.pt")
         spare = self._spares.pop() if self._spares else None
-        tmp, size, crc = write_temporary(state, self.folder, targets[0], reuse=spare)
+        tmp, size, checksum = write_temporary(state, self.folder, targets[0], reuse=spare)
         temps = {targets[0]: tmp}
         try:
             for target in targets[1:]:
                 temps[target] = link_or_copy(tmp, self.folder, target)
             if before_commit is not None:
                 before_commit()
-            entry = manifest_entry(state, size, crc, seq, metrics)
+            entry = manifest_entry(state, size, checksum, seq, metrics)
             pending = {target: dict(entry) for target in targets}
             if numbered:
                 pending["last.pt"]["same_as"] = numbered
@@ -248,10 +248,10 @@ class CheckpointStore:
         that retires nothing (``last.pt`` alone, at an epoch's end) does not leave the next one without.
         """
         try:
-            alone = len(self._spares) < MAX_SPARES and self.recycle and path.stat().st_nlink == 1
+            keep = self._may_keep(path)
         except FileNotFoundError:
             return
-        if not alone:
+        if not keep:
             path.unlink(missing_ok=True)
             return
         spare = self.folder / f".spare.{secrets.token_hex(4)}.tmp"
@@ -265,13 +265,17 @@ class CheckpointStore:
         nothing retires; without this the next save would find no spare and write a new file.
         """
         try:
-            if len(self._spares) >= MAX_SPARES or not self.recycle or path.stat().st_nlink != 1:
+            if not self._may_keep(path):
                 return None
             spare = self.folder / f".spare.{secrets.token_hex(4)}.tmp"
             os.link(path, spare)
         except OSError:  # no such file yet, or no hard links on this file system
             return None
         return spare
+
+    def _may_keep(self, path: Path) -> bool:
+        """Whether ``path``'s file may become a spare: recycling on, room for one more, no other name shares it."""
+        return self.recycle and len(self._spares) < MAX_SPARES and path.stat().st_nlink == 1
 
     def _adopt_spare(self, spare: Path) -> None:
         """Keep ``spare`` (a file no name points to any more) for the next save, or delete it if anyone holds it."""

@@ -6,6 +6,7 @@ import json
 import os
 import pickle
 import shutil
+import zipfile
 import zlib
 from pathlib import Path
 
@@ -70,6 +71,17 @@ def test_stale_temporaries_are_removed_and_nothing_else(tmp_path):
     assert remove_stale_temporaries(tmp_path / "absent") == []
 
 
+def _records_crc32(path: Path) -> str:
+    """The manifest's zip_crc32 recomputed: each record's bytes against the CRC-32 torch stored for it, then the
+    CRC-32 of the central directory's listing."""
+    with zipfile.ZipFile(path) as archive:
+        for info in archive.infolist():
+            assert zlib.crc32(archive.read(info)) == info.CRC, info.filename  # read() checks too; say which
+        listing = "".join(f"{i.filename}\t{i.CRC:08x}\t{i.file_size}\t{i.compress_size}\t{i.compress_type}\t"
+                          f"{i.header_offset}\n" for i in archive.infolist())
+    return f"{zlib.crc32(listing.encode()):08x}"
+
+
 def test_save_writes_numbered_last_and_a_manifest_of_sizes_and_checksums(tmp_path):
     store = CheckpointStore(tmp_path)
     path = store.save(_state(120), name="step_000120", metrics={"train/loss": 0.5, "val/loss": float("nan")})
@@ -80,7 +92,7 @@ def test_save_writes_numbered_last_and_a_manifest_of_sizes_and_checksums(tmp_pat
     for name, entry in files.items():
         data = (tmp_path / name).read_bytes()
         assert entry["size"] == len(data)
-        assert entry["crc32"] == f"{zlib.crc32(data):08x}"  # the checksum of the bytes on disk, as written
+        assert entry["zip_crc32"] == _records_crc32(tmp_path / name)  # the checksum of the bytes on disk, as written
         assert (entry["step"], entry["epoch"]) == (120, 12)
         assert entry["metrics"] == {"train/loss": 0.5, "val/loss": None}  # NaN is not JSON: null
     assert files["last.pt"]["same_as"] == "step_000120.pt"
@@ -295,7 +307,7 @@ def test_a_rotated_out_checkpoint_is_overwritten_by_a_later_save_and_everything_
         path = tmp_path / name
         entry = _manifest(tmp_path)["files"][name]
         assert path.stat().st_size == entry["size"]
-        assert f"{zlib.crc32(path.read_bytes()):08x}" == entry["crc32"]
+        assert _records_crc32(path) == entry["zip_crc32"]
     assert torch.equal(load_checkpoint(tmp_path / "step_000004.pt")["model"]["w"], torch.full((1000,), 4.0))
     hidden = [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]
     assert len(hidden) == 1 and hidden[0].startswith(".spare.")  # step 3's file, kept for the next save
@@ -373,3 +385,61 @@ def test_files_are_recycled_only_on_file_systems_no_other_machine_reads(tmp_path
     for step in (1, 2, 3, 4):
         store.save(_state(step), name=f"step_{step:06d}")
     assert not [p for p in (tmp_path / "ck").iterdir() if p.name.startswith(".")]
+
+
+def test_with_torchs_record_crcs_off_the_whole_file_is_checksummed(tmp_path, monkeypatch):
+    """A user's torch.serialization.set_crc32_options(False) leaves the zip's CRCs zero: the file's own CRC-32 then."""
+    monkeypatch.setattr(torch.serialization, "get_crc32_options", lambda: False)
+    store = CheckpointStore(tmp_path)
+    path = store.save(_state(1), name="step_000001")
+    entry = _manifest(tmp_path)["files"]["step_000001.pt"]
+    assert "zip_crc32" not in entry and entry["crc32"] == f"{zlib.crc32(path.read_bytes()):08x}"
+    _flip(path)
+    with pytest.raises(ValueError, match="checksum mismatch: crc32"):
+        load_checkpoint(path)
+
+
+def test_manifests_of_whole_file_crcs_written_before_still_check(tmp_path):
+    """gputrain 0.1 listed each file's whole CRC-32 under crc32: such a folder still loads, and damage still shows."""
+    store = CheckpointStore(tmp_path)
+    path = store.save(_state(3), name="step_000003")
+    manifest = _manifest(tmp_path)
+    for entry in manifest["files"].values():
+        del entry["zip_crc32"]
+        entry["crc32"] = f"{zlib.crc32(path.read_bytes()):08x}"
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    assert _saved_step(path) == 3
+    store.save(_state(4), name="step_000004")  # a new save beside the old entries
+    assert _saved_step(tmp_path / "step_000004.pt") == 4 and _saved_step(path) == 3
+    _flip(path)
+    with pytest.raises(ValueError, match="checksum mismatch: crc32"):
+        load_checkpoint(path)
+
+
+@pytest.mark.parametrize("where", ["a record's crc32 in the central directory", "the directory's offset"])
+def test_damage_outside_the_tensor_bytes_is_caught(tmp_path, where):
+    """Bytes loading reads besides the records. (torch and zipfile both read the zip64 end record, and ignore the
+    classic end record torch also writes: damage there changes nothing loaded.)"""
+    store = CheckpointStore(tmp_path)
+    path = store.save(_state(1), name="step_000001")
+    data = bytearray(path.read_bytes())
+    at = data.rfind(b"PK\x01\x02") + 16 if where.startswith("a record") else data.rfind(b"PK\x06\x06") + 48
+    data[at] ^= 0x01
+    path.unlink()  # a new file, so last.pt (a hard link of the old one) keeps the good bytes
+    path.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="checksum mismatch"):
+        load_checkpoint(path)
+    assert store.latest_valid() == tmp_path / "last.pt"
+
+
+def test_a_valid_checkpoint_of_the_same_size_is_not_the_one_listed(tmp_path):
+    """Another intact save of the same size under the name (a copy over it, a stale file): the manifest says no."""
+    store = CheckpointStore(tmp_path)
+    older = store.save(_state(1), name="step_000001")
+    newer = store.save(_state(2), name="step_000002")
+    assert older.stat().st_size == newer.stat().st_size
+    newer.unlink()  # a new file, so last.pt (a hard link of the old one) keeps the good bytes
+    shutil.copyfile(older, newer)
+    with pytest.raises(ValueError, match="checksum mismatch: zip records crc32"):
+        load_checkpoint(newer)
+    assert _saved_step(tmp_path / "last.pt") == 2
