@@ -61,7 +61,7 @@ class DataConfig:
     normalize_on_device: bool | str = "auto"
     """Loader workers hand over ``uint8`` training images and the training device scales and normalizes them: a
     quarter of the bytes through shared memory, pinning and the host-to-device copy. ``auto``: on when training on
-    a GPU. The same values bit for bit (docs/data.md). Classification (class folders, CIFAR-10)."""
+    a GPU. torchvision's own ops on the same pixels (docs/data.md). Classification (class folders, CIFAR-10)."""
     decode_on_device: bool = False
     """Loader workers only read the training images' bytes; the training device decodes (nvJPEG on CUDA) and
     augments them, with each sample's own seed: for machines with few CPU cores per GPU. Class folders only

@@ -3,14 +3,15 @@
 Why: a float32 batch of 256 images at 224x224 is 154 MB. Each one is written into shared memory by a worker,
 read back by the training process, copied again into pinned memory by the loader's pin thread, then sent to
 the GPU. On an H100 with 16 loader workers, ResNet-50 trained at 1,934 images/s on real JPEGs against 3,964
-on device-resident batches (docs/benchmarks.md), although the workers' decoding alone could feed about 5,000:
-the single pinning thread and the shared-memory traffic of the training process set the pace. The same batch
+on device-resident batches (docs/benchmarks.md), although the workers' decoding alone could feed about 5,000;
+the training process's copies of those bytes are the likely pace-setter (not yet measured on a GPU). The same batch
 as ``uint8`` is 38.5 MB, a quarter of every copy; scaling to [0, 1] and normalizing then take one fused pass
 on the GPU. timm's prefetching loader, DALI and FFCV move images the same way.
 
 The arithmetic is torchvision's ``ToDtype(float32, scale=True)`` and ``Normalize`` on the same values, so a
-batch normalized on the device equals the one normalized in a worker bit for bit (IEEE multiply, subtract
-and divide round the same on a CPU and a GPU; tested on the CPU, and on a GPU where one exists).
+batch normalized on the device should equal the one normalized in a worker bit for bit (IEEE multiply,
+subtract and divide are correctly rounded on a CPU and a GPU alike): tested on a CPU; a CUDA-marked test
+checks it where a GPU exists.
 """
 
 from __future__ import annotations
