@@ -204,3 +204,22 @@ def test_split_coco_is_8_to_2_disjoint_and_deterministic(generated: Path, tmp_pa
         json.loads(src.read_text())["annotations"]
     )
     assert len(COCODetection(generated / "images", val_json, train=False)) == 2
+
+
+def test_a_coco_task_built_without_a_run_folder_writes_nothing_where_it_runs(tmp_path, monkeypatch):
+    """The Python API builds tasks before a Trainer picks a run folder: the split files go to a temporary folder."""
+    from gputrain.config import load_config
+    from gputrain.tasks import build_task
+
+    root = make_coco(tmp_path / "coco", num_images=10, size=48)
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    spec = build_task(load_config("coco-maskrcnn", [f"data.root={root}"]))
+    assert list(work.iterdir()) == []
+    assert len(spec.train_data) + len(spec.val_data) == 10 and len(spec.val_data) == 2
+    split = Path(spec.task.val_annotations)
+    assert split.is_file() and split.parent.name.startswith("gputrain-coco-splits-")
+    ran = build_task(load_config("coco-maskrcnn", [f"data.root={root}", f"trainer.out={tmp_path / 'run'}"]))
+    assert (tmp_path / "run" / "splits" / split.name).read_bytes() == split.read_bytes()  # the same split
+    assert len(ran.val_data) == 2

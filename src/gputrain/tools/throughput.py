@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -72,12 +71,9 @@ def flops_per_image(recipe: str, overrides: list[str]) -> float | None:
     from gputrain.tasks import build_task
 
     try:
-        with tempfile.TemporaryDirectory(prefix="gputrain-flops-") as tmp:
-            # A folder of its own: building a task may write files into trainer.out (COCO's split annotations),
-            # which would otherwise be the working directory.
-            # The float image a worker would hand over, whatever the run does on its device.
-            built = build_task(load_config(recipe, [*overrides, f"trainer.out={tmp}", "data.normalize_on_device=false",
-                                                    "data.decode_on_device=false"]))
+        # The float image a worker would hand over, whatever the run does on its device.
+        built = build_task(load_config(recipe, [*overrides, "data.normalize_on_device=false",
+                                                "data.decode_on_device=false"]))
         sample = built.train_data[0]
         images = sample[0] if isinstance(sample, (tuple, list)) else sample
         if not isinstance(images, torch.Tensor) or images.dim() != 3:
