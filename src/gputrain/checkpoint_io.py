@@ -99,8 +99,8 @@ def write_temporary(obj: Any, folder: Path, name: str, *, reuse: Path | None = N
     """``torch.save`` into a durable temporary of ``folder`` for ``name``: (path, size, its checksum entry).
 
     The checksum entry is ``{"zip_crc32": ...}`` (:func:`zip_records_crc32`): torch computes the CRC-32 of
-    every record as it writes the zip, so a second pass over the same bytes would only repeat it (about 50 ms
-    of CPU per 135 MB on the test machine, a quarter of the background writer's work). Where the user turned
+    every record as it writes the zip, so a second pass over the same bytes would only repeat it (50-55 ms
+    of CPU per 135 MB on the test machine, a third of the CPU time of such a save). Where the user turned
     torch's record CRCs off (``torch.serialization.set_crc32_options(False)``) it is ``{"crc32": ...}``, the
     CRC-32 of the whole file computed as it is written.
 
