@@ -384,7 +384,7 @@ FAULTS: tuple[Fault, ...] = (
           ("tests/unit/test_checkpoint_store.py::test_with_torchs_record_crcs_off_the_whole_file_is_checksummed",)),
     # -- issue 16 item 2: uint8 batches normalized on the device --------------------------------------------
     Fault("the device scales uint8 pixels by its own arithmetic", "src/gputrain/data/device_normalize.py",
-          (("return cast(Tensor, normalize_transform(self.mean, self.std)(moved))",
+          (("return cast(Tensor, _normalizer(self.mean, self.std)(moved))",
             "mean, std = (torch.tensor(v, device=device).view(-1, 1, 1) for v in (self.mean, self.std))\n"
             "        return (moved.float() / 255 - mean) / std"),),
           ("tests/unit/test_device_normalize.py::test_a_batch_normalized_on_the_device_equals_the_one_normalized_in_workers",)),

@@ -16,7 +16,8 @@ checks it where a GPU exists.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import torch
@@ -42,7 +43,13 @@ class PixelBatch:
     def to_device(self, device: torch.device, non_blocking: bool = False) -> Tensor:
         """The batch on ``device`` as float32, scaled to [0, 1] and normalized there."""
         moved = self.pixels.to(device, non_blocking=non_blocking)
-        return cast(Tensor, normalize_transform(self.mean, self.std)(moved))
+        return cast(Tensor, _normalizer(self.mean, self.std)(moved))
+
+
+@functools.lru_cache(maxsize=8)
+def _normalizer(mean: tuple[float, ...], std: tuple[float, ...]) -> Callable[..., object]:
+    """The workers' own normalization (the same ops, so the same bits), built once rather than every step."""
+    return normalize_transform(mean, std)
 
 
 class PixelCollate:

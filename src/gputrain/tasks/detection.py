@@ -77,19 +77,18 @@ def _annotation_files(cfg: RunConfig) -> tuple[Path, Path, Path, Path]:
     if cfg.data.val_root:
         val_root = Path(cfg.data.val_root)
         return root / "images", annotations, val_root / "images", val_root / "annotations" / "instances.json"
+    shared = bool(cfg.trainer.out) and dist.is_initialized()
     if cfg.trainer.out:
         split_dir = Path(cfg.trainer.out) / "splits"  # kept with the run, so its split can be read later
-        rank0 = not dist.is_initialized() or dist.get_rank() == 0
-        if rank0:  # one writer; the others wait at the barrier and read the same files
-            split_coco(annotations, val_fraction=cfg.data.val_fraction, seed=cfg.data.split_seed, out_dir=split_dir)
-        if dist.is_initialized():
-            dist.barrier()
     else:
         # No run folder yet (the Python API, before a Trainer picks one): never the working directory. Each
         # process writes its own copy (the split is a function of the file, fraction and seed), removed at exit.
         split_dir = Path(tempfile.mkdtemp(prefix="gputrain-coco-splits-"))
         atexit.register(shutil.rmtree, split_dir, True)
+    if not shared or dist.get_rank() == 0:  # one writer; the others wait at the barrier and read the same files
         split_coco(annotations, val_fraction=cfg.data.val_fraction, seed=cfg.data.split_seed, out_dir=split_dir)
+    if shared:
+        dist.barrier()
     return root / "images", split_dir / f"{annotations.stem}_train.json", root / "images", \
         split_dir / f"{annotations.stem}_val.json"
 
