@@ -401,6 +401,14 @@ FAULTS: tuple[Fault, ...] = (
     Fault("training images are normalized twice", "src/gputrain/tasks/classification.py",
           (("normalize=not normalize_on_device(cfg))", "normalize=True)"),),
           ("tests/unit/test_device_normalize.py::test_a_batch_normalized_on_the_device_equals_the_one_normalized_in_workers",)),
+    Fault("segmentation averages its loss over the counted pixels of each micro-batch", "src/gputrain/tasks/segmentation.py",
+          (("return (per_pixel.flatten(1).sum(1) / counted.clamp(min=1)).mean()",
+            "return per_pixel.sum() / counted.sum()"),),
+          ("tests/distributed/test_segmentation_parity.py",)),
+    Fault("segmentation's evaluation loss divides by zero counted pixels", "src/gputrain/tasks/segmentation.py",
+          (("return outputs, total / (targets != self.ignore_index).sum().clamp(min=1)",
+            "return outputs, total / (targets != self.ignore_index).sum()"),),
+          ("tests/distributed/test_segmentation_parity.py",)),
 )
 
 

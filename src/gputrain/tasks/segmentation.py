@@ -28,7 +28,25 @@ class SegmentationTask(Task):
     def loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         if isinstance(outputs, dict):  # torchvision's segmentation models return {"out": ...}
             outputs = outputs["out"]
-        return F.cross_entropy(outputs.float(), targets, ignore_index=self.ignore_index)
+        # The mean over images of each image's mean over its counted (not ignored) pixels, not one mean over the
+        # batch's counted pixels. Why: the strategies give the same gradient at every world size and accumulation
+        # only for a mean over samples of a per-sample loss; one pixel mean weighs a rank's images by how many of
+        # their pixels count, so 2 ranks would not match 1 process. And an image with no counted pixel adds zero
+        # instead of 0/0 = NaN, which ended runs whose small per-GPU batches held only such crops.
+        per_pixel = F.cross_entropy(outputs.float(), targets, ignore_index=self.ignore_index, reduction="none")
+        counted = (targets != self.ignore_index).flatten(1).sum(1)
+        return (per_pixel.flatten(1).sum(1) / counted.clamp(min=1)).mean()
+
+    def evaluate_batch(self, model: torch.nn.Module, inputs: Any, targets: Any) -> tuple[Any, torch.Tensor | None]:
+        """Eval-mode outputs and the mean loss over the batch's counted pixels (0 where none counts).
+
+        The evaluator weighs it by that count, so the set's loss is a mean over all its counted pixels,
+        whatever the batches and ranks.
+        """
+        outputs = model(inputs)
+        logits = outputs["out"] if isinstance(outputs, dict) else outputs
+        total = F.cross_entropy(logits.float(), targets, ignore_index=self.ignore_index, reduction="sum")
+        return outputs, total / (targets != self.ignore_index).sum().clamp(min=1)
 
     def evaluator(self) -> Evaluator:
         return SegmentationEvaluator(self.num_classes, ignore_index=self.ignore_index)
