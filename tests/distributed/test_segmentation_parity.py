@@ -69,7 +69,7 @@ def test_an_evaluation_batch_of_ignored_pixels_has_loss_zero_not_nan():
 def test_the_loss_of_a_batch_is_the_mean_of_its_images_losses():
     # What the strategies rely on: a micro-batch's loss weighted by its share of samples sums to the batch's.
     task, net, data = SegmentationTask(num_classes=3), _net(), _Masks()
-    images, targets = (torch.stack(x) for x in zip(*(data[i] for i in range(12, 16))))
+    images, targets = (torch.stack(x) for x in zip(*(data[i] for i in range(12, 16)), strict=True))
     with torch.no_grad():
         whole = task.loss(net(images), targets)
         one_and_three = task.loss(net(images[:1]), targets[:1]) / 4 + task.loss(net(images[1:]), targets[1:]) * 3 / 4
