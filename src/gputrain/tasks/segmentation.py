@@ -26,14 +26,12 @@ class SegmentationTask(Task):
         self.num_classes, self.ignore_index = num_classes, ignore_index
 
     def loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        if isinstance(outputs, dict):  # torchvision's segmentation models return {"out": ...}
-            outputs = outputs["out"]
         # The mean over images of each image's mean over its counted (not ignored) pixels, not one mean over the
         # batch's counted pixels. Why: the strategies give the same gradient at every world size and accumulation
         # only for a mean over samples of a per-sample loss; one pixel mean weighs a rank's images by how many of
         # their pixels count, so 2 ranks would not match 1 process. And an image with no counted pixel adds zero
         # instead of 0/0 = NaN, which ended runs whose small per-GPU batches held only such crops.
-        per_pixel = F.cross_entropy(outputs.float(), targets, ignore_index=self.ignore_index, reduction="none")
+        per_pixel = F.cross_entropy(_logits(outputs).float(), targets, ignore_index=self.ignore_index, reduction="none")
         counted = (targets != self.ignore_index).flatten(1).sum(1)
         return (per_pixel.flatten(1).sum(1) / counted.clamp(min=1)).mean()
 
@@ -44,8 +42,7 @@ class SegmentationTask(Task):
         whatever the batches and ranks.
         """
         outputs = model(inputs)
-        logits = outputs["out"] if isinstance(outputs, dict) else outputs
-        total = F.cross_entropy(logits.float(), targets, ignore_index=self.ignore_index, reduction="sum")
+        total = F.cross_entropy(_logits(outputs).float(), targets, ignore_index=self.ignore_index, reduction="sum")
         return outputs, total / (targets != self.ignore_index).sum().clamp(min=1)
 
     def evaluator(self) -> Evaluator:
@@ -56,7 +53,7 @@ class SegmentationTask(Task):
 
     def prediction(self, output: Any, size: tuple[int, int]) -> torch.Tensor:
         """Classes per pixel ``(H, W)`` at the image's size: logits are resized bilinearly first where they differ."""
-        logits = (output["out"] if isinstance(output, dict) else output).detach().float()
+        logits = _logits(output).detach().float()
         if tuple(logits.shape[-2:]) != tuple(size):
             logits = F.interpolate(logits[None], size=size, mode="bilinear", align_corners=False)[0]
         return logits.argmax(0).to(torch.uint8).cpu()
@@ -68,6 +65,11 @@ class SegmentationTask(Task):
         if target is None:
             return predicted, "prediction"
         return side_by_side(overlay_labels(image, target.cpu(), self.num_classes), predicted), "truth | prediction"
+
+
+def _logits(outputs: Any) -> torch.Tensor:
+    """The logits of a model's output: torchvision's segmentation models return ``{"out": ...}``."""
+    return outputs["out"] if isinstance(outputs, dict) else outputs
 
 
 def eval_preprocess(cfg: RunConfig, *, whole_image: bool = False) -> Callable[..., Any]:
