@@ -3,7 +3,8 @@
 Each case runs ``python -m gputrain ...`` as a new process (what a user waits for), interleaved
 case by case for ``--rounds`` rounds; the figure is the median wall time per case. The reference
 is ``python -c "import torch, torchvision"``, what every answer cost before the CLI stopped
-importing torch for them (issue 15 item 9). Ratios are within one run.
+importing torch for them (issue 15 item 9). ``import gputrain.loop`` against ``import torch`` shows what
+gputrain's own modules add to every launcher and rank (issue 16 item 5). Ratios are within one run.
 
     python benchmarks/cli_startup.py [--rounds 7] [--json out.json]
 """
@@ -27,6 +28,10 @@ CASES = {
     "config error (optim.lr=1e39)": ["-m", "gputrain", "train", "autoencoder", "optim.lr=1e39"],
     "usage error (--no-such-flag)": ["-m", "gputrain", "train", "autoencoder", "--no-such-flag"],
     "import torch, torchvision (reference)": ["-c", "import torch, torchvision"],
+    # What a launcher process imports before it starts the ranks, and every rank before its first step; the
+    # optional strategies (pipeline, fsdp, model_parallel) stay out until a run names one.
+    "import torch (reference)": ["-c", "import torch"],
+    "import gputrain.loop (a launcher's and a rank's own imports)": ["-c", "import gputrain.loop"],
 }
 
 

@@ -115,7 +115,7 @@ def _run_flags(p: argparse.ArgumentParser, *, training: bool, hidden: Sequence[s
     p.add_argument("--devices", type=int, help="processes on this node (one per GPU; ddp)")
     p.add_argument("--strategy", help="single, ddp, dp, ... (trainer.strategy)")
     add_common_flags(p)
-    p.add_argument("--precision", choices=["auto", "32", "16-mixed", "bf16-mixed"],
+    p.add_argument("--precision", choices=["auto", "mixed", "32", "16-mixed", "bf16-mixed"],
                    help="a recipe's 16-bit default falls back to 32 on a CPU; this flag is obeyed")
     p.add_argument("--batch-size", type=int, help="per device; the global batch is printed at start")
     if training:
@@ -217,7 +217,7 @@ def build_parser(description: str, epilog: str, version: str, eval_hidden: Seque
     pred.add_argument("--annotations", default="", help="detection: the COCO json whose image and category ids to use")
     pred.add_argument("--devices", type=int, help="processes on this node")
     pred.add_argument("--accelerator", choices=["auto", "cpu", "cuda"])
-    pred.add_argument("--precision", choices=["auto", "32", "16-mixed", "bf16-mixed"])
+    pred.add_argument("--precision", choices=["auto", "mixed", "32", "16-mixed", "bf16-mixed"])
     pred.add_argument("--batch-size", type=int, help="images per process per forward")
     pred.set_defaults(func=handlers["predict"])
 

@@ -163,7 +163,8 @@ class TrainerConfig:
     devices: int = 1
     """Processes per node for ddp (one per GPU); GPUs of one process for dp use ``dp_device_ids``."""
     precision: str = "auto"
-    """auto (bf16-mixed on a GPU with bfloat16, else 32), 32, 16-mixed or bf16-mixed."""
+    """auto (bf16-mixed on a GPU with bfloat16, else 32), mixed (bf16-mixed on a GPU with bfloat16, 16-mixed on
+    other GPUs, 32 on a CPU), 32, 16-mixed or bf16-mixed."""
     epochs: int = 10
     batch_size: int = 32
     """Per device (per process). The global batch is batch_size x world size x accumulation."""

@@ -7,7 +7,8 @@ by ``auto`` only where it helps and is safe:
 * channels-last memory format and ``cudnn.benchmark``: on CUDA, for tasks whose images have one
   shape per batch (not detection, whose model batches images of different sizes itself);
 * fused optimizer kernels: when the parameters live on a GPU (on a CPU torch's foreach default stays);
-* bf16 autocast: on GPUs with bfloat16 (``trainer.precision=auto``); float32 elsewhere;
+* bf16 autocast: on GPUs with bfloat16 (``trainer.precision=auto``); float32 elsewhere (``mixed``, which
+  mixed-precision recipes set, takes float16 with loss scaling on GPUs without bfloat16);
 * host memory kept for reuse (``trainer.reuse_host_memory``): wherever the C library is glibc, on a CPU
   too -- it changes where memory comes from, never a computed value;
 * ``uint8`` training batches normalized on the device (``data.normalize_on_device``, chosen when the task's
@@ -139,12 +140,22 @@ def keep_freed_host_memory() -> None:
 
 
 def resolve_precision(name: str, device: torch.device) -> str:
-    """``auto``: bf16-mixed on a GPU with bfloat16, else 32; any other name is returned as given."""
-    if name != "auto":
+    """What ``auto`` and ``mixed`` mean on ``device``; any other name is returned as given.
+
+    ``auto``: bf16-mixed on a GPU with bfloat16, else 32. ``mixed`` (recipes that are meant to train in
+    mixed precision): bf16-mixed on a GPU with bfloat16, whose float32 exponent range needs no loss scaling
+    and cannot overflow where float16 can; 16-mixed on an older GPU; 32 on a CPU, where 16-bit autocast has
+    no fast kernels (about 20 times slower than float32 on the test machine).
+    """
+    if name not in ("auto", "mixed"):
         return name
     import torch
 
-    return "bf16-mixed" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "32"
+    if device.type != "cuda":
+        return "32"
+    if torch.cuda.is_bf16_supported():
+        return "bf16-mixed"
+    return "16-mixed" if name == "mixed" else "32"
 
 
 def with_resolved(cfg: RunConfig, fast: FastPath) -> RunConfig:

@@ -99,4 +99,4 @@ def build_precision(name: str, device: torch.device) -> Precision:
         if device.type == "cuda" and not torch.cuda.is_bf16_supported():
             raise ValueError("trainer.precision=bf16-mixed but this GPU has no bfloat16; use 16-mixed")
         return MixedPrecision(device, torch.bfloat16)
-    raise ValueError(f"trainer.precision={name!r} is unknown; choose auto, 32, 16-mixed or bf16-mixed")
+    raise ValueError(f"trainer.precision={name!r} is unknown; choose auto, mixed, 32, 16-mixed or bf16-mixed")

@@ -72,6 +72,14 @@ def test_mixed_precision_on_gpu(name):
         assert precision.state_dict()["scaler"]["scale"] > 0
 
 
+def test_mixed_resolves_to_this_gpus_fastest_mixed_precision():
+    from gputrain.fast_path import resolve_precision
+
+    expected = "bf16-mixed" if torch.cuda.is_bf16_supported() else "16-mixed"
+    assert resolve_precision("mixed", CUDA0) == expected
+    assert build_precision(resolve_precision("mixed", CUDA0), CUDA0).name == expected
+
+
 def test_async_checkpoint_copies_cuda_state_to_pinned_buffers_before_the_step(tmp_path):
     """The writer's CUDA path: non-blocking copies into pinned host buffers, ordered before later kernels."""
     from gputrain.checkpoint import CheckpointStore, load_checkpoint

@@ -422,9 +422,9 @@ def test_11_a_missing_optional_package_names_the_extra(args, extra, workdir, tmp
 # -- 3. interrupts (real processes and signals) -----------------------------------------------------
 
 
-def _interrupt(workdir: Path, out: Path, devices: str, sig: signal.Signals, *, group: bool):
+def _interrupt(workdir: Path, out: Path, devices: str, sig: signal.Signals, *, group: bool, epochs: int = 60):
     """Start a long run, send ``sig`` once the first epoch is logged; (exit code, stdout, stderr, seconds to exit)."""
-    args = ["train", "autoencoder", *TINY, "--devices", devices, "--epochs", "60", "--batch-size", "2",
+    args = ["train", "autoencoder", *TINY, "--devices", devices, "--epochs", str(epochs), "--batch-size", "2",
             "--out", str(out), "trainer.loggers=[]"]
     proc = subprocess.Popen([sys.executable, "-m", "gputrain", *args], cwd=workdir, env=ENV, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
@@ -461,9 +461,11 @@ def test_3_an_interrupt_stops_cleanly_with_one_line(workdir, tmp_path, devices, 
 @pytest.mark.slow
 def test_3_resume_after_ctrl_c_ends_with_the_uninterrupted_weights(workdir, tmp_path):
     out = tmp_path / "interrupted"
-    rc, _, stderr, _ = _interrupt(workdir, out, "2", signal.SIGINT, group=True)
+    # 12 epochs: the signal goes out as soon as epoch 1 is logged, seconds before the run could end (which
+    # would fail the exit code check), and the resumed and uninterrupted runs stay short.
+    rc, _, stderr, _ = _interrupt(workdir, out, "2", signal.SIGINT, group=True, epochs=12)
     assert rc == 130, stderr
-    common = ("train", "autoencoder", *TINY, "--devices", "2", "--epochs", "60", "--batch-size", "2",
+    common = ("train", "autoencoder", *TINY, "--devices", "2", "--epochs", "12", "--batch-size", "2",
               "trainer.loggers=[]")
     resumed = gputrain(*common, "--resume", "auto", "--out", str(out), cwd=workdir)
     straight = gputrain(*common, "--out", str(tmp_path / "straight"), cwd=workdir)

@@ -107,8 +107,8 @@ ADE20K = RecipeRun(
         "--epochs", "6", "--batch-size", "8",
         "data.num_classes=8",  # the generated set has 8 classes (the recipe's 150 are ADE20K's)
         "data.image_size=64",
-        # float16 autocast convolutions have no fast CPU kernels: about 100 s an epoch with 16-mixed.
-        "--precision", "32",
+        # No --precision: the recipe's `mixed` must resolve to 32 on a CPU, where 16-bit autocast
+        # convolutions have no fast kernels (about 100 s an epoch with 16-mixed).
         # ResNet-18 instead of 50; torchvision's BasicBlock cannot dilate, so DeepLabV3Plus runs
         # it at output stride 32 by default (it raises for 8 or 16).
         "model.kwargs.backbone=resnet18",
@@ -297,7 +297,9 @@ def test_ade20k_deeplabv3plus_learns_on_2_processes_with_sync_batchnorm(ade20k):
     last = assert_loss_halves(ade20k.run, _epochs(ADE20K))
     summary = json.loads((ade20k.run / "summary.json").read_text())
     assert (summary["world_size"], summary["global_batch"]) == (2, 16)
-    assert "sync_batchnorm: true" in (ade20k.run / "config.yaml").read_text()
+    assert summary["precision"] == "32"  # the recipe's `mixed`, resolved for a CPU
+    config = (ade20k.run / "config.yaml").read_text()
+    assert "sync_batchnorm: true" in config and "precision: '32'" in config
     assert last["val/samples"] == ADE20K.val_size
     # Chance: a uniformly random labelling of 8 balanced classes has an IoU near 1/15 per class.
     assert last["val/mIoU"] >= 0.25

@@ -32,6 +32,7 @@ def test_auto_turns_the_options_on_for_cuda_and_leaves_a_cpu_run_as_it_was():
     assert resolve(cfg, torch.device("cuda", 0), fixed_shapes=DetectionTask.fixed_shapes) == FastPath(
         fused_optimizer=True, reuse_host_memory=True)
     assert resolve_precision("auto", torch.device("cpu")) == "32"
+    assert resolve_precision("mixed", torch.device("cpu")) == "32"
     assert resolve_precision("16-mixed", torch.device("cpu")) == "16-mixed"
     explicit = load_config(None, ["trainer.channels_last=true", "trainer.compile=true", "optim.fused=false",
                                   "trainer.cudnn_benchmark=false", "trainer.compile_mode=max-autotune",
@@ -39,6 +40,20 @@ def test_auto_turns_the_options_on_for_cuda_and_leaves_a_cpu_run_as_it_was():
     assert resolve(explicit, torch.device("cuda", 0)) == FastPath(channels_last=True, compile_mode="max-autotune")
     assert FastPath().describe() == "fast=off"
     assert FastPath(True, "default", True, True).describe() == "fast=channels_last+compile(default)+fused+cudnn_benchmark"
+
+
+@pytest.mark.parametrize(("bf16", "auto", "mixed"), [(True, "bf16-mixed", "bf16-mixed"), (False, "32", "16-mixed")])
+def test_mixed_takes_bf16_where_the_gpu_has_it_and_float16_with_loss_scaling_where_not(monkeypatch, bf16, auto, mixed):
+    # The GPU's answer is the one input a CPU machine cannot give; the choice made from it is what is tested
+    # (tests/distributed/test_cuda.py checks it on a real GPU).
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: bf16)
+    gpu = torch.device("cuda", 0)
+    assert (resolve_precision("auto", gpu), resolve_precision("mixed", gpu)) == (auto, mixed)
+    assert resolve_precision("16-mixed", gpu) == "16-mixed" and resolve_precision("32", gpu) == "32"
+
+
+def test_the_segmentation_recipe_trains_in_mixed_precision_wherever_a_gpu_runs_it():
+    assert load_config("ade20k-deeplabv3plus", []).trainer.precision == "mixed"
 
 
 @pytest.mark.parametrize(("override", "message"), [

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import pickle
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -173,12 +175,26 @@ def test_mixed_precision_trains_and_keeps_scaler_state(name):
 
 
 def test_unknown_precision_and_strategy_say_what_is_valid():
-    with pytest.raises(ValueError, match="choose auto, 32, 16-mixed or bf16-mixed"):
+    with pytest.raises(ValueError, match="choose auto, mixed, 32, 16-mixed or bf16-mixed"):
         build_precision("8-bit", torch.device("cpu"))
     with pytest.raises(ValueError, match=r"trainer.strategy='fsdp3' is unknown; choose one of .*ddp, dp,"):
         strategy_class("fsdp3")
     with pytest.raises(ValueError, match="use --strategy ddp"):
         build_strategy(load_config(None, ["trainer.strategy=single"]), DistInfo(world_size=2))
+
+
+def test_a_run_imports_no_optional_strategy_until_it_names_one():
+    # The pipeline's module pulls in torch.distributed.pipelining, torch._dynamo and DTensor: 1.5 s of CPU in
+    # every launcher and rank (benchmarks/cli_startup.py). A fresh interpreter, since this one has them already.
+    code = ("import sys, gputrain.loop, gputrain.cli\n"
+            "from gputrain.strategies import strategy_class, strategy_names\n"
+            "assert not [m for m in sys.modules if m.startswith(('torch.distributed.pipelining', 'torch._dynamo', "
+            "'gputrain.strategies.pipeline', 'gputrain.strategies.fsdp', 'gputrain.strategies.model_parallel'))]\n"
+            "assert strategy_names() == ['ddp', 'dp', 'fsdp', 'model_parallel', 'pipeline', 'single']\n"
+            "assert strategy_class('pipeline').name == 'pipeline' and 'torch.distributed.pipelining' in sys.modules\n"
+            "assert strategy_class('fsdp').name == 'fsdp' and strategy_class('model_parallel').name == 'model_parallel'\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
 
 
 # -- DataParallel traps: pure checks over device lists, so they run without GPUs ------------

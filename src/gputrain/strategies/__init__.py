@@ -6,6 +6,7 @@ name to its class. Everything else asks the class (processes per node, options) 
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING
 
 from gputrain.dist import DistInfo
@@ -18,32 +19,52 @@ if TYPE_CHECKING:
     from gputrain.config import RunConfig
 
 STRATEGIES: dict[str, type[Strategy]] = {cls.name: cls for cls in (SingleDevice, DDP, DataParallel)}
+"""The strategies imported so far, by name; :data:`LAZY` ones are added the first time a run names one."""
+
+LAZY: dict[str, tuple[str, str]] = {
+    "model_parallel": ("gputrain.strategies.model_parallel", "ModelParallel"),
+    "pipeline": ("gputrain.strategies.pipeline", "Pipeline"),
+    "fsdp": ("gputrain.strategies.fsdp", "FSDP"),
+}
+"""Strategies whose modules are imported only when named: the pipeline's imports torch.distributed.pipelining
+and with it torch._dynamo and DTensor, 1.5 s of CPU (as much as torch itself) at the start of every process,
+rank and loader worker of a run that never pipelines."""
 
 
-def _register_optional() -> None:
-    """Strategies whose modules import torch features that older torch builds lack; added when importable."""
-    import importlib
-
-    for module, cls_name in (("gputrain.strategies.model_parallel", "ModelParallel"),
-                             ("gputrain.strategies.pipeline", "Pipeline"),
-                             ("gputrain.strategies.fsdp", "FSDP")):
-        try:
-            cls = getattr(importlib.import_module(module), cls_name)
-        except ModuleNotFoundError as err:
-            if err.name != module:
-                raise
-            continue
-        STRATEGIES[cls.name] = cls
-
-
-_register_optional()
+def strategy_names() -> list[str]:
+    """Every name ``trainer.strategy`` accepts."""
+    return sorted({*STRATEGIES, *LAZY})
 
 
 def strategy_class(name: str) -> type[Strategy]:
     """The class registered as ``name``; a one-line error lists the valid names."""
+    if name not in STRATEGIES and name in LAZY:
+        module, cls_name = LAZY[name]
+        try:
+            STRATEGIES[name] = getattr(importlib.import_module(module), cls_name)
+        except ModuleNotFoundError as err:
+            if err.name == module:  # a build of gputrain without this strategy: unknown, as below
+                return _imported(name)
+            import torch
+
+            raise ValueError(f"trainer.strategy={name} needs {err.name}, which torch {torch.__version__} does not "
+                             "have; install the torch version in requirements.txt") from err
+    return _imported(name)
+
+
+def _imported(name: str) -> type[Strategy]:
     if name not in STRATEGIES:
-        raise ValueError(f"trainer.strategy={name!r} is unknown; choose one of {', '.join(sorted(STRATEGIES))}")
+        raise ValueError(f"trainer.strategy={name!r} is unknown; choose one of {', '.join(strategy_names())}")
     return STRATEGIES[name]
+
+
+def available(name: str) -> bool:
+    """Whether ``name``'s strategy can run with this installation (its module and torch's features import)."""
+    try:
+        strategy_class(name)
+    except ValueError:
+        return False
+    return True
 
 
 def build_strategy(cfg: RunConfig, dist_info: DistInfo) -> Strategy:
@@ -59,5 +80,5 @@ def build_strategy(cfg: RunConfig, dist_info: DistInfo) -> Strategy:
     return cls.from_config(dist_info, cfg)
 
 
-__all__ = ["DDP", "DataParallel", "MicroBatch", "SingleDevice", "Strategy", "STRATEGIES", "build_strategy",
-           "strategy_class"]
+__all__ = ["DDP", "LAZY", "DataParallel", "MicroBatch", "SingleDevice", "Strategy", "STRATEGIES", "available",
+           "build_strategy", "strategy_class", "strategy_names"]

@@ -16,7 +16,7 @@ fsdp            2          G/2                    sharded parameters and their g
 model_parallel  1          G                      stages on several devices
 ==============  =========  =====================  ====================================
 
-Modes whose strategy is not registered in :data:`gputrain.strategies.STRATEGIES` are skipped
+Modes whose strategy is not available here (:func:`gputrain.strategies.available`) are skipped
 and listed as such. :mod:`gputrain.tools.parity_compare` compares each mode with ``single``
 and names the cause of a difference.
 """
@@ -180,13 +180,13 @@ def _parity_ranks(info: DistInfo, build: Callable[[], Any], cfg: RunConfig, mode
 
 
 def _resolve_modes(names: Sequence[str]) -> tuple[list[Mode], dict[str, str]]:
-    from gputrain.strategies import STRATEGIES
+    from gputrain.strategies import available
 
     unknown = [n for n in names if n not in MODES]
     if unknown:
         raise ValueError(f"parity mode(s) {', '.join(unknown)} unknown; choose from {', '.join(MODES)}")
-    skipped = {n: f"strategy {MODES[n].strategy} is not registered in gputrain.strategies.STRATEGIES"
-               for n in names if MODES[n].strategy not in STRATEGIES}
+    skipped = {n: f"strategy {MODES[n].strategy} is not available in this installation (gputrain.strategies)"
+               for n in names if not available(MODES[n].strategy)}
     run = [MODES[n] for n in ["single", *names] if n not in skipped]
     return list(dict.fromkeys(run)), skipped
 
