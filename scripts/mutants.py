@@ -414,8 +414,11 @@ FAULTS: tuple[Fault, ...] = (
           (("import importlib\n", "import importlib\n\nimport gputrain.strategies.pipeline  # noqa: F401\n"),),
           ("tests/unit/test_units.py::test_a_run_imports_no_optional_strategy_until_it_names_one",)),
     Fault("precision mixed takes float16 on a GPU that has bfloat16", "src/gputrain/fast_path.py",
-          (('    if torch.cuda.is_bf16_supported():\n        return "bf16-mixed"\n',
-            '    if torch.cuda.is_bf16_supported():\n        return "16-mixed" if name == "mixed" else "bf16-mixed"\n'),),
+          (('    if torch.cuda.is_bf16_supported(including_emulation=False):\n        return "bf16-mixed"\n',
+            '    if torch.cuda.is_bf16_supported(including_emulation=False):\n        return "16-mixed" if name == "mixed" else "bf16-mixed"\n'),),
+          ("tests/unit/test_fast_path.py::test_mixed_takes_bf16_where_the_gpu_has_it_and_float16_with_loss_scaling_where_not",)),
+    Fault("auto and mixed take bfloat16 that a V100 only emulates", "src/gputrain/fast_path.py",
+          (("is_bf16_supported(including_emulation=False)", "is_bf16_supported()"),),
           ("tests/unit/test_fast_path.py::test_mixed_takes_bf16_where_the_gpu_has_it_and_float16_with_loss_scaling_where_not",)),
 )
 

@@ -153,7 +153,9 @@ def resolve_precision(name: str, device: torch.device) -> str:
 
     if device.type != "cuda":
         return "32"
-    if torch.cuda.is_bf16_supported():
+    # Native bfloat16 only (compute capability 8.0+): by default torch also says yes where it merely emulates
+    # bfloat16 (a V100, a T4), which has no bfloat16 tensor cores: float16 is the fast type there.
+    if torch.cuda.is_bf16_supported(including_emulation=False):
         return "bf16-mixed"
     return "16-mixed" if name == "mixed" else "32"
 

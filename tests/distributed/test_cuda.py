@@ -75,7 +75,7 @@ def test_mixed_precision_on_gpu(name):
 def test_mixed_resolves_to_this_gpus_fastest_mixed_precision():
     from gputrain.fast_path import resolve_precision
 
-    expected = "bf16-mixed" if torch.cuda.is_bf16_supported() else "16-mixed"
+    expected = "bf16-mixed" if torch.cuda.is_bf16_supported(including_emulation=False) else "16-mixed"
     assert resolve_precision("mixed", CUDA0) == expected
     assert build_precision(resolve_precision("mixed", CUDA0), CUDA0).name == expected
 
@@ -112,7 +112,7 @@ def test_the_fast_path_is_on_by_default_on_a_gpu_and_reaches_the_model(tmp_path,
                       progress_bar=False, loggers=[], pictures=0)
     summary = trainer.fit(model, _Images(), _Images(), task=ReconstructionTask())
     line = capsys.readouterr().out
-    bf16 = torch.cuda.is_bf16_supported()
+    bf16 = torch.cuda.is_bf16_supported(including_emulation=False)
     assert f"precision={'bf16-mixed' if bf16 else '32'} fast=channels_last+fused+cudnn_benchmark" in line
     assert layouts and all(layouts)
     assert trainer.optimizer.param_groups[0]["fused"] is True and torch.backends.cudnn.benchmark

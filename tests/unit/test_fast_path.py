@@ -42,11 +42,12 @@ def test_auto_turns_the_options_on_for_cuda_and_leaves_a_cpu_run_as_it_was():
     assert FastPath(True, "default", True, True).describe() == "fast=channels_last+compile(default)+fused+cudnn_benchmark"
 
 
-@pytest.mark.parametrize(("bf16", "auto", "mixed"), [(True, "bf16-mixed", "bf16-mixed"), (False, "32", "16-mixed")])
-def test_mixed_takes_bf16_where_the_gpu_has_it_and_float16_with_loss_scaling_where_not(monkeypatch, bf16, auto, mixed):
+@pytest.mark.parametrize(("native", "auto", "mixed"), [(True, "bf16-mixed", "bf16-mixed"), (False, "32", "16-mixed")])
+def test_mixed_takes_bf16_where_the_gpu_has_it_and_float16_with_loss_scaling_where_not(monkeypatch, native, auto, mixed):
     # The GPU's answer is the one input a CPU machine cannot give; the choice made from it is what is tested
-    # (tests/distributed/test_cuda.py checks it on a real GPU).
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: bf16)
+    # (tests/distributed/test_cuda.py checks it on a real GPU). torch's answer as on an H100 (native bfloat16)
+    # and on a V100 (emulated only: yes unless emulation is excluded), where autocast to bfloat16 is slow.
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: native or including_emulation)
     gpu = torch.device("cuda", 0)
     assert (resolve_precision("auto", gpu), resolve_precision("mixed", gpu)) == (auto, mixed)
     assert resolve_precision("16-mixed", gpu) == "16-mixed" and resolve_precision("32", gpu) == "32"
