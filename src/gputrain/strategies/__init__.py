@@ -27,8 +27,8 @@ LAZY: dict[str, tuple[str, str]] = {
     "fsdp": ("gputrain.strategies.fsdp", "FSDP"),
 }
 """Strategies whose modules are imported only when named: the pipeline's imports torch.distributed.pipelining
-and with it torch._dynamo and DTensor, 1.5 s of CPU (as much as torch itself) at the start of every process,
-rank and loader worker of a run that never pipelines."""
+and with it torch._dynamo and DTensor, about 1.6 s (as much as torch itself) in the launcher of every run, before
+it starts the ranks, and in each rank that does not import torchvision (which loads dynamo itself)."""
 
 
 def strategy_names() -> list[str]:
