@@ -16,7 +16,7 @@ from gputrain.data.samplers import EpochPlan, StepBatchSampler, epoch_permutatio
 from gputrain.dist import DistInfo
 from gputrain.optim import lr_factor
 from gputrain.precision import build_precision
-from gputrain.strategies import DataParallel, build_strategy, strategy_class
+from gputrain.strategies import LAZY, STRATEGIES, DataParallel, available, build_strategy, strategy_class
 from gputrain.strategies.dp import (
     check_batch_covers_devices,
     check_module_on_first_device,
@@ -195,6 +195,17 @@ def test_a_run_imports_no_optional_strategy_until_it_names_one():
             "assert strategy_class('fsdp').name == 'fsdp' and strategy_class('model_parallel').name == 'model_parallel'\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
+
+
+def test_a_strategy_whose_torch_feature_is_missing_is_one_line_naming_the_module(tmp_path, monkeypatch):
+    # A real module that fails to import the way an older torch would (no such torch submodule).
+    (tmp_path / "strategy_from_the_future.py").write_text("import torch.distributed.not_in_this_torch\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setitem(LAZY, "future", ("strategy_from_the_future", "Future"))
+    with pytest.raises(ValueError, match=r"^trainer.strategy=future needs torch.distributed.not_in_this_torch, "
+                                         r"which torch \S+ does not have; install the torch version in requirements.txt$"):
+        strategy_class("future")
+    assert not available("future") and "future" not in STRATEGIES
 
 
 # -- DataParallel traps: pure checks over device lists, so they run without GPUs ------------
