@@ -7,7 +7,10 @@ is what ``--max-restarts 0`` (the default) gets on one node; ``--max-restarts 1`
 are: start -> the first training forward on every rank (each rank writes its step to a file), and the
 wall time of the whole 1-epoch run. Medians over pairs, and the median of per-pair ratios.
 
-    python benchmarks/launch_startup.py [--pairs 5] [--json out.json]
+``--baseline-python PATH`` adds a third run to each round: direct launch by another installation of gputrain
+(e.g. the venv of an older checkout), rotated with the other two, and its ratios to this one's direct launch.
+
+    python benchmarks/launch_startup.py [--pairs 5] [--baseline-python OTHER/.venv/bin/python] [--json out.json]
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ trainer: {{strategy: ddp, accelerator: cpu, epochs: 1, batch_size: 8, progress_b
 """
 
 
-def one_run(folder: Path, restarts: int) -> tuple[float, float]:
+def one_run(folder: Path, restarts: int, python: str = sys.executable) -> tuple[float, float]:
     """(seconds from start to the first forward on both ranks, seconds of the whole run)."""
     steps = folder / "steps"
     steps.mkdir(parents=True)
@@ -43,7 +46,7 @@ def one_run(folder: Path, restarts: int) -> tuple[float, float]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GPUTRAIN_TEST_STEPS_DIR": str(steps),
            "PYTHONPATH": os.pathsep.join([str(E2E), os.environ.get("PYTHONPATH", "")])}
     start = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-m", "gputrain", "train", str(recipe), "--devices", "2",
+    proc = subprocess.Popen([python, "-m", "gputrain", "train", str(recipe), "--devices", "2",
                              "--max-restarts", str(restarts), "--out", str(folder / "run")],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     first = float("nan")
@@ -60,26 +63,31 @@ def one_run(folder: Path, restarts: int) -> tuple[float, float]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pairs", type=int, default=5)
+    parser.add_argument("--baseline-python", help="interpreter of another gputrain installation to compare with")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    rows: dict[str, dict[str, list[float]]] = {m: {"first": [], "wall": []} for m in ("direct", "torchrun")}
-    ratios: dict[str, list[float]] = {"first": [], "wall": []}
+    modes = [("direct", 0, sys.executable), ("torchrun", 1, sys.executable)]
+    if args.baseline_python:
+        modes.append(("baseline direct", 0, args.baseline_python))
+    rows: dict[str, dict[str, list[float]]] = {m[0]: {"first": [], "wall": []} for m in modes}
+    ratios: dict[str, dict[str, list[float]]] = {m[0]: {"first": [], "wall": []} for m in modes[1:]}
     with tempfile.TemporaryDirectory() as tmp:
         for pair in range(args.pairs):
             got = {}
-            for mode, restarts in (("direct", 0), ("torchrun", 1)) if pair % 2 == 0 else (("torchrun", 1), ("direct", 0)):
-                got[mode] = one_run(Path(tmp) / f"{pair}-{mode}", restarts)
+            for mode, restarts, python in modes[pair % len(modes):] + modes[:pair % len(modes)]:  # rotated
+                got[mode] = one_run(Path(tmp) / f"{pair}-{mode.replace(' ', '-')}", restarts, python)
                 rows[mode]["first"].append(got[mode][0])
                 rows[mode]["wall"].append(got[mode][1])
-            ratios["first"].append(got["torchrun"][0] / got["direct"][0])
-            ratios["wall"].append(got["torchrun"][1] / got["direct"][1])
-            print(f"pair {pair + 1}: direct {got['direct'][0]:.2f} s / {got['direct'][1]:.2f} s, "
-                  f"torchrun {got['torchrun'][0]:.2f} s / {got['torchrun'][1]:.2f} s", flush=True)
+            for mode in ratios:
+                ratios[mode]["first"].append(got[mode][0] / got["direct"][0])
+                ratios[mode]["wall"].append(got[mode][1] / got["direct"][1])
+            print(f"round {pair + 1}: " + ", ".join(f"{m} {got[m][0]:.2f} s / {got[m][1]:.2f} s" for m in got), flush=True)
     result = {
         "date": datetime.date.today().isoformat(), "machine": f"{platform.node()} ({os.cpu_count()} cores)",
         "command": " ".join(["python", "benchmarks/launch_startup.py", *sys.argv[1:]]), "pairs": args.pairs,
         "median_s": {m: {k: round(statistics.median(v), 2) for k, v in r.items()} for m, r in rows.items()},
-        "median_ratio_torchrun_over_direct": {k: round(statistics.median(v), 3) for k, v in ratios.items()},
+        "median_ratio_over_direct": {m: {k: round(statistics.median(v), 3) for k, v in r.items()}
+                                     for m, r in ratios.items()},
     }
     print(json.dumps(result, indent=2))
     if args.json:

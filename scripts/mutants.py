@@ -423,6 +423,24 @@ FAULTS: tuple[Fault, ...] = (
     Fault("auto and mixed take bfloat16 that a V100 only emulates", "src/gputrain/fast_path.py",
           (("is_bf16_supported(including_emulation=False)", "is_bf16_supported()"),),
           ("tests/unit/test_fast_path.py::test_mixed_takes_bf16_where_the_gpu_has_it_and_float16_with_loss_scaling_where_not",)),
+    # -- issue 16, eighth session ---------------------------------------------------------------
+    Fault("the launcher imports torch (the strategy classes) before it starts the ranks", "src/gputrain/cli.py",
+          (("    nproc = processes_per_node(cfg.trainer.strategy, cfg.trainer.devices)",
+            "    from gputrain.strategies import strategy_class\n\n"
+            "    nproc = strategy_class(cfg.trainer.strategy).processes_per_node(cfg.trainer.devices)"),),
+          ("tests/e2e/test_faults.py::test_the_launcher_starts_the_ranks_before_it_imports_torch",)),
+    Fault("the direct launcher keeps the ranks in its own session (a busy machine gives them one share)",
+          "src/gputrain/direct_launch.py",
+          (("env=env, start_new_session=True,", "env=env,"),),
+          ("tests/e2e/test_faults.py::test_killing_the_launcher_leaves_no_rank_behind",)),
+    Fault("the launcher counts FSDP as one process", "src/gputrain/launch.py",
+          (('ONE_PROCESS_STRATEGIES = frozenset({"single", "dp", "model_parallel"})',
+            'ONE_PROCESS_STRATEGIES = frozenset({"single", "dp", "model_parallel", "fsdp"})'),),
+          ("tests/unit/test_units.py::test_the_launchers_process_count_is_each_strategys_own",)),
+    Fault("the pipeline's refusal of 16-mixed does not say that mixed means it on older GPUs",
+          "src/gputrain/strategies/pipeline.py",
+          ((", which `mixed` also means \"\n                             \"on a GPU without bfloat16", ""),),
+          ("tests/unit/test_model_parallel_placement.py::test_pipeline_refuses_settings_it_cannot_honour[16-mixed]",)),
 )
 
 

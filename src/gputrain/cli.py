@@ -40,11 +40,9 @@ TRAIN_FLAGS = {
 TRAINING_ONLY = ("epochs", "seed", "resume", "max_restarts")
 """Train flags that eval accepts for scripts that share a command line, ignores, and leaves out of --help."""
 def _is_worker() -> bool:
-    if not any(name in os.environ for name in ("RANK", "SLURM_PROCID")):
-        return False  # no launcher's variables: decided without importing gputrain.dist (and torch)
-    from gputrain.dist import launched_env
+    from gputrain.launch import is_worker
 
-    return launched_env() is not None
+    return is_worker()
 
 
 def _overrides(args: argparse.Namespace, skip: Sequence[str] = ()) -> list[str]:
@@ -83,10 +81,9 @@ def _prepare(cfg: RunConfig, args: argparse.Namespace) -> tuple[RunConfig, list[
 
 
 def _launch_or_run(cfg: RunConfig, worker_argv: Sequence[str], run: Callable[[RunConfig], Any]) -> int:
-    from gputrain.launch import LaunchSpec, run_workers
-    from gputrain.strategies import strategy_class
+    from gputrain.launch import LaunchSpec, processes_per_node, run_workers
 
-    nproc = strategy_class(cfg.trainer.strategy).processes_per_node(cfg.trainer.devices)
+    nproc = processes_per_node(cfg.trainer.strategy, cfg.trainer.devices)  # without torch, for a built-in strategy
     spec = LaunchSpec(nproc_per_node=nproc, nnodes=cfg.launch.nnodes, node_rank=cfg.launch.node_rank,
                       rdzv_endpoint=cfg.launch.rdzv_endpoint, rdzv_id=cfg.launch.rdzv_id,
                       max_restarts=cfg.launch.max_restarts)
@@ -105,7 +102,6 @@ def _run_train(cfg: RunConfig) -> None:
 def cmd_train(args: argparse.Namespace, argv: Sequence[str]) -> int:
     cfg = load_config(args.recipe, _overrides(args))  # a config error is one line before torch is imported
     from gputrain import run_folder
-    from gputrain.checkpoint import load_checkpoint
 
     if _is_worker():  # the launcher checked and resolved everything
         _run_train(cfg)
@@ -113,6 +109,8 @@ def cmd_train(args: argparse.Namespace, argv: Sequence[str]) -> int:
     cfg, extra = _prepare(cfg, args)
     t = cfg.trainer
     if t.resume and t.resume != "auto":
+        from gputrain.checkpoint import load_checkpoint
+
         load_checkpoint(t.resume)  # unreadable or truncated: one line naming the file, before any worker
     if not t.out and t.resume == "auto":
         raise ValueError("--resume auto continues a run folder: name it with --out (e.g. --out runs/latest)")
@@ -318,7 +316,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _recorded(func: Any) -> Any:
-    from gputrain.launch import worker_record
+    from gputrain.worker_errors import worker_record
 
     return worker_record(func, usage=USAGE_ERRORS)
 
@@ -329,7 +327,7 @@ def _debug() -> bool:
 
 
 def _started_by_gputrain() -> bool:
-    from gputrain.launch import LAUNCHER_ENV  # only asked in workers, which have torch loaded already
+    from gputrain.launch import LAUNCHER_ENV
 
     return bool(os.environ.get(LAUNCHER_ENV))
 

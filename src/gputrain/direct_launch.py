@@ -3,12 +3,16 @@
 torchrun's elastic agent earns its keep with restarts and multi-node rendezvous; for one node
 and ``--max-restarts 0`` neither is used (figures in docs/benchmarks.md). Here the launcher sets the variables torchrun sets
 (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT, ...) and hosts the rendezvous store at
-MASTER_ADDR:MASTER_PORT itself, as the agent does (``TORCHELASTIC_USE_AGENT_STORE``). Everything else stays torchrun's: workers record their error with
+MASTER_ADDR:MASTER_PORT itself, as the agent does (``TORCHELASTIC_USE_AGENT_STORE``), on a socket it listens on before
+it starts them and imports torch after. Everything else stays torchrun's: workers record their error with
 ``record`` into ``TORCHELASTIC_ERROR_FILE``, and a failure is described by torch's
 ``ProcessFailure``, so the launcher reports it exactly as it does for torchrun.
 
-Ranks stay in the launcher's process group, so Ctrl-C in a terminal or ``kill -- -PGID``
-reaches all of them; signals sent to the launcher alone are forwarded. When a rank fails the
+Each rank runs in a session of its own, as torchrun's workers do: with the kernel's autogroup scheduling
+(on by default in desktop and many server kernels) CPU time is shared out per session, so ranks kept in the
+launcher's session shared one share between them and, on a busy machine, started 15-20 % slower than
+torchrun's (docs/benchmarks.md). Signals reach them through the launcher, which forwards what it receives
+(Ctrl-C in a terminal, ``kill -- -PGID``) to every rank. When a rank fails the
 others get SIGTERM, then SIGKILL after a grace period (torchrun's 30 s). A rank whose launcher
 dies (even by SIGKILL) gets SIGTERM from the kernel (``PR_SET_PDEATHSIG``), so none is orphaned.
 """
@@ -19,6 +23,7 @@ import ctypes
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -66,19 +71,31 @@ class _Job:
     """The ranks of one job, their error files, and the signal the launcher received (0: none)."""
 
     def __init__(self, nproc: int, argv: Sequence[str], base_env: dict[str, str]) -> None:
-        from torch.distributed import TCPStore
-
         self.errors = Path(tempfile.mkdtemp(prefix="gputrain-ranks-"))
         # The launcher hosts the store, as torchrun's agent does: ranks connect at once instead of
         # retrying with back-off until rank 0 has imported torch and opened it (seconds on busy cores).
-        self.store = TCPStore("127.0.0.1", 0, nproc, is_master=True, wait_for_workers=False)
-        port, run_id, me = self.store.port, f"gputrain-{uuid.uuid4().hex[:8]}", os.getpid()
+        # Its socket listens before the ranks start and the store opens on it afterwards (open_store), so
+        # the launcher's torch import runs while the ranks import theirs; a rank that connects first waits
+        # in the socket's backlog. Not inherited by the ranks (Python sockets are not).
+        self.listener = socket.create_server(("127.0.0.1", 0), backlog=max(128, nproc))
+        self.nproc, port = nproc, int(self.listener.getsockname()[1])
+        run_id, me = f"gputrain-{uuid.uuid4().hex[:8]}", os.getpid()
+        self.store: Any = None
         self.signum = 0
         self.procs: list[subprocess.Popen[bytes]] = []
         for rank in range(nproc):
             env = rank_env(base_env, rank=rank, world_size=nproc, port=port, run_id=run_id,
                            error_file=str(self.errors / f"rank{rank}.json"))
-            self.procs.append(subprocess.Popen(list(argv), env=env, preexec_fn=lambda: _die_with_launcher(me)))
+            self.procs.append(subprocess.Popen(list(argv), env=env, start_new_session=True,
+                                               preexec_fn=lambda: _die_with_launcher(me)))
+
+    def open_store(self) -> None:
+        """Serve the rendezvous store on the listening socket (the ranks already started)."""
+        from torch.distributed import TCPStore
+
+        port = int(self.listener.getsockname()[1])
+        self.store = TCPStore("127.0.0.1", port, self.nproc, is_master=True, wait_for_workers=False,
+                              master_listen_fd=self.listener.detach())  # the store owns the socket from here
 
     def forward(self, signum: int, frame: FrameType | None) -> None:
         self.signum = self.signum or signum
@@ -145,6 +162,7 @@ def run_direct(nproc: int, module: str, module_args: Sequence[str]) -> int:
             signal.signal(sig, job.forward)
         for signum in pending[:1]:
             job.forward(signum, None)
+        job.open_store()
         first = job.wait_first_failure()
         if first is None:
             return EXIT_OK
@@ -162,6 +180,7 @@ def run_direct(nproc: int, module: str, module_args: Sequence[str]) -> int:
                 if proc.poll() is None:
                     proc.kill()
                     proc.wait()
+            job.listener.close()  # a no-op once the store owns it
             shutil.rmtree(job.errors, ignore_errors=True)
         for sig, handler in saved.items():
             signal.signal(sig, handler)

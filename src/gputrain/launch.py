@@ -27,15 +27,51 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-from gputrain.direct_launch import run_direct
-from gputrain.dist import launched_env
 from gputrain.errors import EXIT_DIVERGED, EXIT_FAILED, EXIT_OK, EXIT_USAGE, exit_code_for_signal
-from gputrain.worker_errors import WorkerErrorHandler, worker_record  # noqa: F401  (cli.py and tests import them from here)
+
+# No torch at import: the command line's launcher decides how many ranks to start and starts them before it
+# imports torch (about 1.5 s), so the ranks' own imports run meanwhile (gputrain.direct_launch).
 
 T = TypeVar("T")
+
+WORKER_ERROR_NAMES = ("WorkerFailed", "WorkerErrorHandler", "worker_record")
+"""Names that live in :mod:`gputrain.worker_errors` (which imports torch) and are still found here."""
+
+
+def __getattr__(name: str) -> Any:
+    if name in WORKER_ERROR_NAMES:
+        from gputrain import worker_errors
+
+        return getattr(worker_errors, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+ONE_PROCESS_STRATEGIES = frozenset({"single", "dp", "model_parallel"})
+PROCESS_PER_DEVICE_STRATEGIES = frozenset({"ddp", "fsdp", "pipeline"})
+"""How many processes each built-in strategy starts, known without importing torch (and the strategy); each
+class's own ``processes_per_node`` says the same (a test holds them together)."""
+
+
+def processes_per_node(strategy: str, devices: int) -> int:
+    """The processes a node starts for ``strategy`` on ``devices``; asks the strategy's class (and imports torch)
+    only for a name the tables above do not know, which also gives an unknown name its one-line error."""
+    if strategy in ONE_PROCESS_STRATEGIES:
+        return 1
+    if strategy in PROCESS_PER_DEVICE_STRATEGIES:
+        return devices
+    from gputrain.strategies import strategy_class
+
+    return strategy_class(strategy).processes_per_node(devices)
+
+
+def is_worker() -> bool:
+    """Whether torchrun or SLURM started this process as a rank (asks :mod:`gputrain.dist`, and so imports torch,
+    only when their variables are set)."""
+    if not any(name in os.environ for name in ("RANK", "SLURM_PROCID")):
+        return False
+    from gputrain.dist import launched_env
+
+    return launched_env() is not None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -58,7 +94,7 @@ class LaunchSpec:
     @property
     def needs_launch(self) -> bool:
         """Whether this process must start workers rather than be one."""
-        return launched_env() is None and (self.nproc_per_node > 1 or self.nnodes > 1)
+        return not is_worker() and (self.nproc_per_node > 1 or self.nnodes > 1)
 
     @property
     def direct(self) -> bool:
@@ -157,11 +193,14 @@ def run_workers(spec: LaunchSpec, module: str, module_args: Sequence[str]) -> in
     0 when every worker succeeded; 128 + signal when the launcher was interrupted (the workers
     print their own "interrupted" line); otherwise what :func:`report_failure` decides.
     """
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-
     with _launcher_scope():
         if spec.direct:
+            from gputrain.direct_launch import run_direct
+
             return run_direct(spec.nproc_per_node, module, module_args)
+        from torch.distributed.elastic.multiprocessing.api import SignalException
+        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
         try:
             run_torchrun(spec, module, module_args)
         except SignalException as err:
@@ -178,7 +217,7 @@ def _gputrain_info(failure: Any) -> dict[str, Any]:
     return message.get("extraInfo", {}).get("gputrain", {}) if isinstance(message, dict) else {}
 
 
-def _failure_line(rank: int, failure: Any) -> str:
+def failure_line(rank: int, failure: Any) -> str:
     info = _gputrain_info(failure)
     if info.get("line"):
         return f"rank {rank}: {info['line']}"
@@ -202,7 +241,7 @@ def first_failure(failures: dict[int, Any]) -> tuple[int, Any]:
     def order(item: tuple[int, Any]) -> tuple[bool, float, int]:
         # A peer's lost connection is a consequence, whatever its time: the rank that left first
         # tears its process group down before its own error file is written.
-        line = _failure_line(item[0], item[1])
+        line = failure_line(item[0], item[1])
         consequence = any(text in line for text in _PEER_LOST)
         return consequence, _gputrain_info(item[1]).get("time", item[1].timestamp), item[0]
 
@@ -224,7 +263,7 @@ def report_failure(failures: dict[int, Any]) -> int:
         context = [line for line in info.get("traceback", "").splitlines() if line.strip()][-5:-1]
         for line in context:
             print(line, file=sys.stderr)
-    print(f"gputrain: error: {_failure_line(rank, failure)}", file=sys.stderr, flush=True)
+    print(f"gputrain: error: {failure_line(rank, failure)}", file=sys.stderr, flush=True)
     code = int(info.get("exit_code", failure.exitcode))
     return code if code in (EXIT_USAGE, EXIT_DIVERGED) else EXIT_FAILED
 
@@ -247,6 +286,10 @@ def launch_all(fn: Callable[..., T], *args: Any, devices: int = 2, max_restarts:
     restored when this returns or raises.
     """
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from gputrain.worker_errors import WorkerFailed, write_failure_log
 
     logs = Path(tempfile.mkdtemp(prefix="gputrain-launch-"))
     # Workers' stderr (tracebacks, torch's warnings) goes to a file per rank that a failure names;
@@ -268,36 +311,6 @@ def launch_all(fn: Callable[..., T], *args: Any, devices: int = 2, max_restarts:
         try:
             results = elastic_launch(config, fn)(*args)
         except ChildFailedError as err:
-            raise WorkerFailed(err.name, err.failures, _write_failure_log(logs / "failures.log", err.failures)) from None
+            raise WorkerFailed(err.name, err.failures, write_failure_log(logs / "failures.log", err.failures)) from None
     shutil.rmtree(logs, ignore_errors=True)
     return [results[r] for r in range(devices)]
-
-
-class WorkerFailed(ChildFailedError):
-    """A rank of :func:`launch` failed: one line naming the first failing rank, its error and its log file.
-
-    Still a ``ChildFailedError`` (``.failures`` maps each failed rank to torch's ``ProcessFailure``).
-    """
-
-    def __init__(self, name: str, failures: dict[int, Any], log: Path) -> None:
-        super().__init__(name, failures)
-        self.log = log
-        """Every failed rank's traceback and stderr."""
-
-    def __str__(self) -> str:
-        rank, failure = first_failure(self.failures)
-        return f"{_failure_line(rank, failure)} (full traceback in {self.log})"
-
-
-def _write_failure_log(path: Path, failures: dict[int, Any]) -> Path:
-    """Each failed rank's traceback (from its error file) and stderr, in one file; its path."""
-    parts = []
-    for rank, failure in sorted(failures.items()):
-        data = failure.error_file_data if isinstance(failure.error_file_data, dict) else {}
-        message = data.get("message")
-        stack = message.get("extraInfo", {}).get("py_callstack", "") if isinstance(message, dict) else ""
-        stderr = Path(failure.error_file).parent / "stderr.log" if failure.error_file else None
-        text = stderr.read_text(errors="replace") if stderr is not None and stderr.is_file() else ""
-        parts.append(f"== {_failure_line(rank, failure)}\n{stack}\n-- stderr of rank {rank}:\n{text}\n")
-    path.write_text("".join(parts))
-    return path

@@ -103,9 +103,11 @@ def cpu_precision(precision: str, accelerator: str, *, explicit: bool) -> tuple[
     float32), so a recipe's 16-bit default falls back to 32 on a CPU; an explicit
     ``--precision`` is obeyed, with a warning.
     """
+    if precision not in SLOW_ON_CPU:
+        return precision, ""  # decided without torch (the launcher's usual case)
     from gputrain.dist import resolve_accelerator
 
-    if precision not in SLOW_ON_CPU or resolve_accelerator(accelerator) != "cpu":
+    if resolve_accelerator(accelerator) != "cpu":
         return precision, ""
     if explicit:
         return precision, (f"gputrain: warning: precision {precision} on a CPU: 16-bit autocast runs about 20x slower "
@@ -116,12 +118,13 @@ def cpu_precision(precision: str, accelerator: str, *, explicit: bool) -> tuple[
 
 def devices_note(strategy: str, devices: int, accelerator: str) -> str:
     """A line when the strategy starts fewer processes than ``--devices`` asks for (dp: one process)."""
-    from gputrain.dist import resolve_accelerator
-    from gputrain.strategies import strategy_class
+    from gputrain.launch import processes_per_node
 
-    procs = strategy_class(strategy).processes_per_node(devices)
+    procs = processes_per_node(strategy, devices)
     if procs >= devices:
         return ""
+    from gputrain.dist import resolve_accelerator
+
     where = ("on a CPU it uses one device" if resolve_accelerator(accelerator) == "cpu"
              else "its own options pick the GPUs it drives, e.g. trainer.dp_device_ids for dp")
     return (f"gputrain: strategy {strategy} runs {procs} process per node, so --devices {devices} starts no more "

@@ -6,11 +6,13 @@ import json
 import time
 import traceback
 from collections.abc import Callable
-from typing import TypeVar
+from pathlib import Path
+from typing import Any, TypeVar
 
-from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ErrorHandler, record
 
 from gputrain.errors import EXIT_FAILED, EXIT_USAGE
+from gputrain.launch import failure_line, first_failure
 
 T = TypeVar("T")
 
@@ -40,3 +42,35 @@ class WorkerErrorHandler(ErrorHandler):
                             "extraInfo": {"py_callstack": stack, "timestamp": str(int(time.time())), "gputrain": info}}}
         with open(path, "w") as f:
             json.dump(data, f)
+
+
+class WorkerFailed(ChildFailedError):
+    """A rank of :func:`gputrain.launch.launch` failed: one line naming the first failing rank, its error and its log file.
+
+    Still a ``ChildFailedError`` (``.failures`` maps each failed rank to torch's ``ProcessFailure``).
+    """
+
+    __module__ = "gputrain.launch"  # its public name (found there on first use), in tracebacks and docs alike
+
+    def __init__(self, name: str, failures: dict[int, Any], log: Path) -> None:
+        super().__init__(name, failures)
+        self.log = log
+        """Every failed rank's traceback and stderr."""
+
+    def __str__(self) -> str:
+        rank, failure = first_failure(self.failures)
+        return f"{failure_line(rank, failure)} (full traceback in {self.log})"
+
+
+def write_failure_log(path: Path, failures: dict[int, Any]) -> Path:
+    """Each failed rank's traceback (from its error file) and stderr, in one file; its path."""
+    parts = []
+    for rank, failure in sorted(failures.items()):
+        data = failure.error_file_data if isinstance(failure.error_file_data, dict) else {}
+        message = data.get("message")
+        stack = message.get("extraInfo", {}).get("py_callstack", "") if isinstance(message, dict) else ""
+        stderr = Path(failure.error_file).parent / "stderr.log" if failure.error_file else None
+        text = stderr.read_text(errors="replace") if stderr is not None and stderr.is_file() else ""
+        parts.append(f"== {failure_line(rank, failure)}\n{stack}\n-- stderr of rank {rank}:\n{text}\n")
+    path.write_text("".join(parts))
+    return path

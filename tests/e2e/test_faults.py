@@ -162,6 +162,8 @@ def test_killing_the_launcher_leaves_no_rank_behind(tmp_path):
             time.sleep(0.05)
         ranks = _worker_pids(proc.pid)
         assert sorted(ranks) == [0, 1], ranks
+        # Each rank leads a session of its own, as torchrun's do (autogroup scheduling shares CPU per session).
+        assert all(os.getsid(pid) == pid != os.getsid(proc.pid) for pid in ranks.values()), ranks
         proc.kill()  # the launcher only: SIGKILL cannot be caught or forwarded
         proc.wait()
         deadline = time.monotonic() + 60  # SIGTERM from the kernel: the ranks finish a step, save and leave
@@ -173,6 +175,29 @@ def test_killing_the_launcher_leaves_no_rank_behind(tmp_path):
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_the_launcher_starts_the_ranks_before_it_imports_torch(tmp_path):
+    """Direct launch: the ranks start first and the launcher opens their store after its own torch import
+    (about 1.5 s on these cores), so both imports run at once; the run must still meet and finish."""
+    torch.set_num_threads(1)
+    spy = ("import subprocess, sys\n"
+           "at_spawn = []\n"
+           "start = subprocess.Popen.__init__\n"
+           "def spy(self, args, *rest, **kw):\n"
+           "    if '-m' in args and 'gputrain' in args:\n"
+           "        at_spawn.append('torch' in sys.modules)\n"
+           "    start(self, args, *rest, **kw)\n"
+           "subprocess.Popen.__init__ = spy\n"
+           "from gputrain.cli import main\n"
+           "code = main(sys.argv[1:])\n"
+           "print('torch imported when each rank started:', at_spawn)\n"
+           "sys.exit(code)\n")
+    done = subprocess.run([sys.executable, "-c", spy, "train", str(_recipe(tmp_path)), "--devices", "2", "--epochs",
+                           "1", "--out", str(tmp_path / "run")], capture_output=True, text=True, env=ENV, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "torch imported when each rank started: [False, False]" in done.stdout, done.stdout[-2000:]
+    assert (tmp_path / "run" / "checkpoints" / "last.pt").is_file()
 
 
 def _running(pid: int) -> bool:

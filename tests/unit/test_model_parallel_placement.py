@@ -141,10 +141,11 @@ def test_bad_settings_fail_in_one_line():
 
 @pytest.mark.parametrize(("override", "message"), [
     ({"parallel": ParallelConfig(schedule="1f1b", micro_batches=1)}, "parallel.schedule=1f1b needs parallel.micro_batches >= the 2 stages"),
-    ({"trainer": TrainerConfig(precision="16-mixed")}, "does not support trainer.precision=16-mixed"),
+    ({"trainer": TrainerConfig(precision="16-mixed")},
+     "does not support trainer.precision=16-mixed, which `mixed` also means on a GPU without bfloat16"),
     ({"trainer": TrainerConfig(sync_batchnorm=True)}, "trainer.sync_batchnorm=true does not apply"),
     ({"parallel": ParallelConfig(schedule="zb")}, "parallel.schedule='zb' is unknown"),
-])
+], ids=["1f1b-few-micro-batches", "16-mixed", "sync-batchnorm", "unknown-schedule"])
 def test_pipeline_refuses_settings_it_cannot_honour(override, message):
     cfg = RunConfig(**override)
     with pytest.raises(ValueError, match=message):

@@ -18,7 +18,7 @@ from gputrain.config import load_config
 from gputrain.data.imagefolder import ImageFiles
 from gputrain.data.images import DataError
 from gputrain.hooks.logging import JsonlLogger, strict_json
-from gputrain.launch import WorkerErrorHandler, report_failure
+from gputrain.launch import report_failure
 from gputrain.run_folder import (
     check_eval_folder,
     check_output_file,
@@ -39,6 +39,7 @@ from gputrain.tools.scale import (
     run_command,
     threads_per_process,
 )
+from gputrain.worker_errors import WorkerErrorHandler
 
 NOON = datetime(2026, 11, 23, 14, 15, 2)
 

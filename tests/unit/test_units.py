@@ -14,9 +14,18 @@ from gputrain.checkpoint import atomic_save, load_checkpoint
 from gputrain.config import SchedulerConfig, load_config
 from gputrain.data.samplers import EpochPlan, StepBatchSampler, epoch_permutation, eval_shard
 from gputrain.dist import DistInfo
+from gputrain.launch import ONE_PROCESS_STRATEGIES, PROCESS_PER_DEVICE_STRATEGIES, processes_per_node
 from gputrain.optim import lr_factor
 from gputrain.precision import build_precision
-from gputrain.strategies import LAZY, STRATEGIES, DataParallel, available, build_strategy, strategy_class
+from gputrain.strategies import (
+    LAZY,
+    STRATEGIES,
+    DataParallel,
+    available,
+    build_strategy,
+    strategy_class,
+    strategy_names,
+)
 from gputrain.strategies.dp import (
     check_batch_covers_devices,
     check_module_on_first_device,
@@ -195,6 +204,19 @@ def test_a_run_imports_no_optional_strategy_until_it_names_one():
             "assert strategy_class('fsdp').name == 'fsdp' and strategy_class('model_parallel').name == 'model_parallel'\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.parametrize("name", strategy_names())
+def test_the_launchers_process_count_is_each_strategys_own(name):
+    # The launcher counts processes without importing torch (to start the ranks before it); the classes decide.
+    for devices in (1, 2, 3):
+        assert processes_per_node(name, devices) == strategy_class(name).processes_per_node(devices), (name, devices)
+    assert name in ONE_PROCESS_STRATEGIES | PROCESS_PER_DEVICE_STRATEGIES  # a new strategy: add it to one
+
+
+def test_an_unknown_strategy_is_one_line_from_the_launchers_count_too():
+    with pytest.raises(ValueError, match=r"^trainer.strategy='pipelined' is unknown; choose one of ddp, dp, fsdp"):
+        processes_per_node("pipelined", 2)
 
 
 def test_a_strategy_whose_torch_feature_is_missing_is_one_line_naming_the_module(tmp_path, monkeypatch):

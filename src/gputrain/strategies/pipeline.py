@@ -54,8 +54,10 @@ class Pipeline(StagedStrategy):
     def from_config(cls, dist_info: DistInfo, cfg: RunConfig) -> Pipeline:
         t, stages = cfg.trainer, dist_info.world_size
         if str(t.precision) in ("16-mixed", "fp16-mixed"):
-            raise ValueError("strategy pipeline does not support trainer.precision=16-mixed (the loss scaler would skip "
-                             "steps on some stages only); use bf16-mixed or 32")
+            # Named both ways: `mixed` resolves to 16-mixed on a GPU without native bfloat16 before this runs.
+            raise ValueError("strategy pipeline does not support trainer.precision=16-mixed, which `mixed` also means "
+                             "on a GPU without bfloat16 (the loss scaler would skip steps on some stages only); use "
+                             "bf16-mixed on a GPU that has it, or 32")
         if t.sync_batchnorm and stages > 1:
             raise ValueError("trainer.sync_batchnorm=true does not apply to strategy pipeline: each stage holds "
                              "different layers and every stage sees the whole batch; set it to false")

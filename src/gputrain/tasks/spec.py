@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
-from torch import nn
-from torch.utils.data import Dataset
+if TYPE_CHECKING:  # annotations only: the launcher's data check imports this package without torch
+    import torch
+    from torch import nn
+    from torch.utils.data import Dataset
 
-from gputrain.tasks.base import Task
+    from gputrain.tasks.base import Task
 
 
 @dataclass
