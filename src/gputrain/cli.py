@@ -65,6 +65,7 @@ def _prepare(cfg: RunConfig, args: argparse.Namespace) -> tuple[RunConfig, list[
     from gputrain import preflight
 
     t = cfg.trainer
+    preflight.check_accelerator(t.accelerator)
     precision, line = preflight.cpu_precision(t.precision, t.accelerator,
                                               explicit=_explicit(args, "trainer.precision", "precision"))
     if line:

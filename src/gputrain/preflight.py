@@ -116,6 +116,15 @@ def cpu_precision(precision: str, accelerator: str, *, explicit: bool) -> tuple[
                   f"is about 20x slower; pass --precision {precision} to use it anyway")
 
 
+def check_accelerator(accelerator: str) -> None:
+    """``trainer.accelerator=cuda`` on a machine without a CUDA device is refused before any rank starts; ``auto``
+    and ``cpu`` need no check (and no torch import: the ranks start sooner)."""
+    if accelerator == "cuda":
+        from gputrain.dist import resolve_accelerator
+
+        resolve_accelerator(accelerator)
+
+
 def devices_note(strategy: str, devices: int, accelerator: str) -> str:
     """A line when the strategy starts fewer processes than ``--devices`` asks for (dp: one process)."""
     from gputrain.launch import processes_per_node
