@@ -83,11 +83,24 @@ class _Job:
         self.store: Any = None
         self.signum = 0
         self.procs: list[subprocess.Popen[bytes]] = []
-        for rank in range(nproc):
-            env = rank_env(base_env, rank=rank, world_size=nproc, port=port, run_id=run_id,
-                           error_file=str(self.errors / f"rank{rank}.json"))
-            self.procs.append(subprocess.Popen(list(argv), env=env, start_new_session=True,
-                                               preexec_fn=lambda: _die_with_launcher(me)))
+        try:
+            for rank in range(nproc):
+                env = rank_env(base_env, rank=rank, world_size=nproc, port=port, run_id=run_id,
+                               error_file=str(self.errors / f"rank{rank}.json"))
+                self.procs.append(subprocess.Popen(list(argv), env=env, start_new_session=True,
+                                                   preexec_fn=lambda: _die_with_launcher(me)))
+        except BaseException:  # a rank that could not start (out of processes or files): none is left waiting
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Kill what still runs, and free the socket and the error files."""
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        self.listener.close()  # a no-op once the store owns it
+        shutil.rmtree(self.errors, ignore_errors=True)
 
     def open_store(self) -> None:
         """Serve the rendezvous store on the listening socket (the ranks already started)."""
@@ -176,11 +189,6 @@ def run_direct(nproc: int, module: str, module_args: Sequence[str]) -> int:
         return report_failure(failures)
     finally:
         if job is not None:
-            for proc in job.procs:  # an exception in the launcher itself leaves no rank behind
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.wait()
-            job.listener.close()  # a no-op once the store owns it
-            shutil.rmtree(job.errors, ignore_errors=True)
+            job.close()  # an exception in the launcher itself leaves no rank behind
         for sig, handler in saved.items():
             signal.signal(sig, handler)

@@ -96,7 +96,9 @@ def build_precision(name: str, device: torch.device) -> Precision:
     if name in ("16-mixed", "fp16-mixed"):
         return MixedPrecision(device, torch.float16)
     if name in ("bf16-mixed",):
-        if device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        # Native only, as `auto` and `mixed` decide: torch's default answer also counts GPUs that emulate bfloat16
+        # (a V100, a T4), where it runs without tensor cores, slower than float16.
+        if device.type == "cuda" and not torch.cuda.is_bf16_supported(including_emulation=False):
             raise ValueError("trainer.precision=bf16-mixed but this GPU has no bfloat16; use 16-mixed")
         return MixedPrecision(device, torch.bfloat16)
     raise ValueError(f"trainer.precision={name!r} is unknown; choose auto, mixed, 32, 16-mixed or bf16-mixed")

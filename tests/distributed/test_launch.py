@@ -4,6 +4,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -81,3 +82,31 @@ def test_an_uncaught_failure_under_launch_is_a_few_lines(tmp_path):
     assert done.returncode == 1 and len(lines) <= 12, done.stderr
     assert re.match(r"gputrain\.launch\.WorkerFailed: rank 1: ValueError: rank one refuses this model \(full "
                     r"traceback in .*failures\.log\)$", lines[-1]), lines[-1]
+
+
+# -- the direct launcher's own failures ----------------------------------------------------------------------
+
+
+def test_a_rank_that_cannot_start_leaves_none_of_the_others_running(monkeypatch):
+    """Out of processes or files at the second rank's fork: the first rank (a real process) must not be left
+    waiting for a peer that never comes."""
+    from gputrain import direct_launch
+
+    started = []
+    real_popen = subprocess.Popen
+
+    def second_fails(*args, **kwargs):
+        if started:
+            raise OSError(24, "Too many open files")
+        started.append(real_popen(*args, **kwargs))
+        return started[-1]
+
+    monkeypatch.setattr(direct_launch.subprocess, "Popen", second_fails)
+    try:
+        with pytest.raises(OSError, match="Too many open files"):
+            direct_launch._Job(2, [sys.executable, "-c", "import time; time.sleep(120)"], dict(os.environ))
+        assert len(started) == 1 and started[0].poll() is not None, "the first rank was left running"
+    finally:
+        for proc in started:
+            proc.kill()
+            proc.wait()

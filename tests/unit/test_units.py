@@ -152,6 +152,19 @@ def test_truncated_checkpoint_error_names_file(tmp_path):
         load_checkpoint(path)
 
 
+@pytest.mark.parametrize("native", [True, False])
+def test_bf16_mixed_by_name_is_refused_on_a_gpu_that_only_emulates_bfloat16(monkeypatch, native):
+    # torch's answer as an H100 (native) and a V100 (emulated: yes unless emulation is excluded) give it; the
+    # GPU itself is the one input a CPU machine cannot give (tests/distributed/test_cuda.py runs on a real one).
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: native or including_emulation)
+    gpu = torch.device("cuda", 0)
+    if native:
+        assert build_precision("bf16-mixed", gpu).name == "bf16-mixed"
+    else:
+        with pytest.raises(ValueError, match="^trainer.precision=bf16-mixed but this GPU has no bfloat16; use 16-mixed$"):
+            build_precision("bf16-mixed", gpu)
+
+
 @pytest.mark.parametrize("name", ["16-mixed", "bf16-mixed"])
 def test_mixed_precision_trains_and_keeps_scaler_state(name):
     torch.manual_seed(0)
