@@ -11,14 +11,22 @@
   the optimizer step waits for that copy, and a tensor changed in place before it (a forward that writes a
   trainable parameter) means that checkpoint is skipped with a warning naming it, never written mixed.
 * Rotated-out files are overwritten by later saves; none is left behind when training ends.
+* With ``asynchronous=False`` the file is on disk when ``save`` returns and a failure raises there; an entry
+  a resume could not load is refused at ``save``, in the caller's thread, either way.
+* A failed save names the newest whole checkpoint; a skipped non-finite one warns once per run.
+* A signal's stop names its checkpoint only once the file is on disk.
 
 Runs are real ``Trainer.fit`` calls of a tiny model in this process; the FIFO tests use a real thread.
 """
 
 from __future__ import annotations
 
+import io
 import os
+import re
 import shutil
+import signal
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -344,3 +352,146 @@ def test_an_interrupt_while_settling_neither_commits_an_unchecked_copy_nor_hangs
     assert real_event.is_set()
     assert not (store.folder / "step_000001.pt").exists()
     assert not [p.name for p in store.folder.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_a_synchronous_writer_writes_in_the_callers_thread_and_fails_at_the_save(tmp_path):
+    """``trainer.async_checkpoint=false`` is the way out the error messages offer: the file is on disk when ``save``
+    returns, and a save that fails raises there, at the step that saved. Planted fault: the synchronous writer
+    still hands the save to the thread."""
+    writer = CheckpointWriter(CheckpointStore(tmp_path / "checkpoints"), asynchronous=False)
+    path = writer.save({"model": {"w": torch.ones(3)}, "state": {"global_step": 1}}, name="step_000001")
+    assert writer.idle  # nothing was handed to a thread
+    assert path == tmp_path / "checkpoints" / "step_000001.pt"
+    assert load_checkpoint(path)["state"]["global_step"] == 1
+    (tmp_path / "a-file").write_text("")
+    writer.store = CheckpointStore(tmp_path / "a-file" / "checkpoints")  # a folder that cannot be made
+    with pytest.raises(OSError):  # the store's own error, at once; not a CheckpointWriteError at a later save
+        writer.save({"model": {}, "state": {"global_step": 2}}, name="step_000002")
+    assert writer.idle
+    writer.wait()  # nothing left over to raise
+
+
+def test_an_entry_a_resume_could_not_load_is_refused_at_the_save_in_the_callers_thread(tmp_path):
+    """A ``Path`` in the state would be written fine and refused by ``torch.load(weights_only=True)`` at resume; the
+    step that put it there must fail with the entry named, not a later save with a background error. Planted
+    fault: the check left to the writer thread."""
+    writer = CheckpointWriter(CheckpointStore(tmp_path / "checkpoints"))
+    state = {"model": {"w": torch.ones(3)}, "state": {"global_step": 1, "data": tmp_path}}
+    with pytest.raises(ValueError, match=r"^checkpoint entry state\['state'\]\['data'\] is a pathlib\.\w*Path, "
+                                         r"which torch\.load\(weights_only=True\) refuses"):
+        writer.save(state, name="step_000001")
+    assert writer.idle  # the thread never started
+    writer.wait()
+    assert not (tmp_path / "checkpoints" / "step_000001.pt").exists()
+
+
+def test_a_non_finite_snapshot_is_skipped_with_one_warning_per_run(tmp_path, capsys):
+    """A diverged run would otherwise print the same line at every later save. Planted fault: the warning printed
+    for every skipped save."""
+    writer = CheckpointWriter(CheckpointStore(tmp_path / "checkpoints"))
+    nan = torch.tensor([1.0, float("nan")])
+    for step in (1, 2, 3):
+        writer.save({"model": {"w": nan}, "state": {"global_step": step}}, name=f"step_{step:06d}", check_finite=True)
+    writer.wait()
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "was not written" in line]
+    assert warnings == [f"gputrain: warning: checkpoint {tmp_path / 'checkpoints' / 'step_000001.pt'} was not "
+                        "written: its weights or optimizer state hold NaN/inf; the newest written checkpoint is kept, "
+                        "and the run stops at its next check of the loss or the weights"]
+    assert not list((tmp_path / "checkpoints").glob("*.pt"))  # none of the three was written
+    writer.save({"model": {"w": torch.ones(2)}, "state": {"global_step": 4}}, name="step_000004", check_finite=True)
+    writer.wait()  # a finite save after them is written as usual
+    assert load_checkpoint(tmp_path / "checkpoints" / "step_000004.pt")["state"]["global_step"] == 4
+
+
+def test_a_failed_background_save_names_the_newest_whole_checkpoint(tmp_path, monkeypatch):
+    """The error says where to resume from. The second save's temporary is deleted under the write (a cleanup
+    script, say), so it fails after the first is on disk. Planted fault: the message names none."""
+    store = CheckpointStore(tmp_path / "checkpoints")
+    writer = CheckpointWriter(store)
+    writer.save({"model": {"w": torch.ones(3)}, "state": {"global_step": 1}}, name="step_000001")
+    writer.wait()
+    held = _HeldSave(tmp_path, monkeypatch)
+    writer.save({"model": {"w": torch.zeros(3)}, "state": {"global_step": 2}}, name="step_000002")
+    held.reached()
+    (temporary,) = store.folder.glob(".step_000002.pt.*.tmp")
+    temporary.unlink()
+    held.release()
+    with pytest.raises(CheckpointWriteError) as caught:
+        writer.wait()
+    message = str(caught.value)
+    assert message.startswith(f"checkpoint {store.folder / 'step_000002.pt'} was not written (FileNotFoundError")
+    assert f"; {store.folder / 'step_000001.pt'} is the newest whole one; " in message
+    assert "no earlier checkpoint exists" not in message
+
+
+class _RescaleAfterEachEpoch(Hook):
+    """A user hook that edits the weights in place after each epoch (weight clipping, an EMA swap)."""
+
+    def after_epoch(self, trainer: Trainer, metrics: Any) -> None:
+        with torch.no_grad():
+            for p in trainer.module.parameters():
+                p.mul_(1.0)  # same values; the version counter sees the write
+
+
+def test_a_hook_that_edits_the_weights_after_the_epoch_checkpoint_does_not_cost_that_checkpoint(tmp_path, capsys):
+    """The epoch checkpoint is saved by the checkpoint hook and copied by the thread; the loop settles that copy
+    before each later hook, so a user hook after it may change the weights. Planted fault: the copy settled only
+    after the last hook (the user's write lands first: that checkpoint is skipped, later ones copied in the step)."""
+    t = _fit(tmp_path, async_checkpoint=True, hooks=[_RescaleAfterEachEpoch()])
+    assert [line for line in capsys.readouterr().err.splitlines() if "was not written" in line] == []
+    assert t.checkpoint_writer.defer_copies
+    names = sorted(p.name for p in (tmp_path / "checkpoints").glob("*.pt"))
+    assert names == ["epoch_0001.pt", "epoch_0002.pt", "last.pt", "step_000001.pt", "step_000002.pt",
+                     "step_000004.pt", "step_000005.pt"]
+    assert load_checkpoint(tmp_path / "checkpoints" / "epoch_0001.pt")["state"]["epoch"] == 1
+
+
+class _SignalAtStep(Hook):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def after_step(self, trainer: Trainer, logs: Any) -> None:
+        if trainer.state.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGUSR1)  # what SLURM sends before it kills a job; the loop's handler is set
+
+
+class _CheckpointOnDiskWhenNamed(io.StringIO):
+    """stdout that notes, as each line naming a checkpoint is printed, whether that file is on disk yet."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.named: list[tuple[Path, bool]] = []
+
+    def write(self, text: str) -> int:
+        found = re.search(r"\(checkpoint (\S+)\)", text)
+        if found:
+            self.named.append((Path(found[1]), Path(found[1]).exists()))
+        return super().write(text)
+
+
+def test_a_signal_stop_names_its_checkpoint_only_once_the_file_is_on_disk(tmp_path, monkeypatch):
+    """The "interrupted ... (checkpoint PATH)" line tells the user (and SLURM's grace period) that it is safe to
+    go: the file must be there when it is printed. The thread's copy is held 0.3 s so that a line printed
+    without waiting comes first. Planted fault: the signal's save not waited for."""
+    import threading
+
+    from gputrain import checkpoint_writer
+    from gputrain.errors import Interrupted
+
+    copy = checkpoint_writer._Deferred.copy
+
+    def held_copy(self: Any) -> None:
+        release = threading.Event()
+        threading.Timer(0.3, release.set).start()
+        release.wait()
+        copy(self)
+
+    monkeypatch.setattr(checkpoint_writer._Deferred, "copy", held_copy)
+    stdout = _CheckpointOnDiskWhenNamed()
+    monkeypatch.setattr(sys, "stdout", stdout)
+    with pytest.raises(Interrupted) as caught:
+        _fit(tmp_path, async_checkpoint=True, checkpoint_every_n_steps=0, hooks=[_SignalAtStep(2)])
+    saved = tmp_path / "checkpoints" / "step_000002.pt"
+    assert caught.value.signum == signal.SIGUSR1 and f"(checkpoint {saved})" in str(caught.value)
+    assert stdout.named == [(saved, True)]  # printed once, with the file already there
+    assert load_checkpoint(saved)["state"]["global_step"] == 2

@@ -12,7 +12,7 @@ from autoencoder_runs import _Images, _max_diff, _train
 from gputrain import Trainer
 from gputrain.config import OptimConfig, RunConfig, load_config
 from gputrain.data.samplers import StepBatchSampler
-from gputrain.fast_path import FastPath, glibc, resolve, resolve_precision
+from gputrain.fast_path import FastPath, glibc, resolve, resolve_precision, with_resolved
 from gputrain.models.vision import ConvAutoencoder
 from gputrain.tasks.autoencoder import ReconstructionTask
 from gputrain.tasks.detection import DetectionTask
@@ -40,6 +40,54 @@ def test_auto_turns_the_options_on_for_cuda_and_leaves_a_cpu_run_as_it_was():
     assert resolve(explicit, torch.device("cuda", 0)) == FastPath(channels_last=True, compile_mode="max-autotune")
     assert FastPath().describe() == "fast=off"
     assert FastPath(True, "default", True, True).describe() == "fast=channels_last+compile(default)+fused+cudnn_benchmark"
+
+
+@pytest.mark.parametrize("on", [True, False])
+def test_the_resolved_config_replaces_every_auto_by_what_ran(on):
+    """config.yaml and every checkpoint carry ``with_resolved``'s config: each option must say what this run did,
+    on or off, never ``auto`` (a resume on another machine would resolve it anew). Planted faults: a field
+    (``reuse_host_memory``, ``optim.fused``) not written back."""
+    fast = FastPath(channels_last=on, fused_optimizer=on, cudnn_benchmark=on, reuse_host_memory=on,
+                    normalize_on_device=on)
+    cfg = with_resolved(RunConfig(), fast)
+    written = {"trainer.channels_last": cfg.trainer.channels_last, "trainer.cudnn_benchmark": cfg.trainer.cudnn_benchmark,
+               "trainer.reuse_host_memory": cfg.trainer.reuse_host_memory, "optim.fused": cfg.optim.fused,
+               "data.normalize_on_device": cfg.data.normalize_on_device}
+    assert written == dict.fromkeys(written, on)
+    # Resolving the written config again gives the same options, whatever the device: nothing is left to auto.
+    assert resolve(cfg, torch.device("cuda", 0), normalize_on_device=on) == fast
+    assert resolve(cfg, torch.device("cpu"), normalize_on_device=on) == fast
+
+
+def test_cudnn_benchmark_is_switched_on_by_the_run_and_never_off():
+    """``torch.backends.cudnn.benchmark`` is a process-wide flag that can be set without a GPU. Planted fault:
+    ``apply_backend_flags`` does not set it (every conv then runs torch's default algorithm, not the fastest)."""
+    saved = torch.backends.cudnn.benchmark
+    try:
+        torch.backends.cudnn.benchmark = False
+        FastPath(cudnn_benchmark=True).apply_backend_flags()
+        assert torch.backends.cudnn.benchmark is True
+        FastPath().apply_backend_flags()  # a later run with it off leaves a caller's own setting as it was
+        assert torch.backends.cudnn.benchmark is True
+        torch.backends.cudnn.benchmark = False
+        FastPath().apply_backend_flags()
+        assert torch.backends.cudnn.benchmark is False
+    finally:
+        torch.backends.cudnn.benchmark = saved
+
+
+def test_reusing_host_memory_is_refused_where_the_c_library_is_not_glibc(monkeypatch):
+    """``mallopt`` is glibc's: on macOS, Windows or musl ``true`` must stop the run with one line naming the field
+    before anything starts, and ``auto`` leaves the allocator alone. Planted fault: ``true`` accepted anyway."""
+    import gputrain.fast_path
+
+    monkeypatch.setattr(gputrain.fast_path, "glibc", lambda: False)  # the one fact this machine cannot give
+    with pytest.raises(ValueError, match=r"trainer\.reuse_host_memory=true .* not glibc; set "
+                                         r"trainer\.reuse_host_memory=auto or false"):
+        resolve(load_config(None, ["trainer.reuse_host_memory=true"]), torch.device("cpu"))
+    assert resolve(RunConfig(), torch.device("cpu")) == FastPath()  # auto: off, so the run is the plain path
+    assert resolve(RunConfig(), torch.device("cuda", 0)).reuse_host_memory is False
+    assert resolve(load_config(None, ["trainer.reuse_host_memory=false"]), torch.device("cpu")) == FastPath()
 
 
 @pytest.mark.parametrize(("native", "auto", "mixed"), [(True, "bf16-mixed", "bf16-mixed"), (False, "32", "16-mixed")])
@@ -155,6 +203,22 @@ def test_bench_throughput_reports_compile_time_as_the_first_step_over_a_steady_o
     compiled = {"fast": "compile(default)", "first_step_s": 3.0, "batch_size_per_device": 8}
     assert _compile_s(compiled, images_per_s=16.0) == 2.5  # a steady step of 8 images takes 0.5 s
     assert _compile_s({**compiled, "fast": "off"}, images_per_s=16.0) is None
+
+
+def test_bench_throughput_times_the_epochs_after_the_first_and_a_single_epoch_as_it_is():
+    """The first epoch pays for start-up, caches and compilation: a steady rate is the median of the later epochs.
+    Planted fault: the first epoch counted too (with three epochs the median then moves to the slower one)."""
+    from gputrain.tools.throughput import _steady
+
+    key = "train/images_per_s"
+    epochs = [{key: 5.0, "time/train_s": 9.0}, {key: 90.0, "time/train_s": 1.0}, {key: 100.0, "time/train_s": 0.9}]
+    assert _steady(epochs, key) == 100.0  # the upper median of 90 and 100; with the first epoch it would be 90
+    assert _steady(epochs[:2], key) == 90.0
+    assert _steady(epochs[:1], key) == 5.0  # one epoch alone is all there is
+    # Evaluation runs every n epochs: only the later epochs that have it count.
+    val = "time/val_images_per_s"
+    assert _steady([{val: 1.0}, {}, {val: 300.0}, {}], val) == 300.0
+    assert _steady(epochs, val) is None
 
 
 def test_summary_names_the_options_that_ran_and_times_the_first_step(tmp_path):
