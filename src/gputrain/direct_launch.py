@@ -182,8 +182,12 @@ def run_direct(nproc: int, module: str, module_args: Sequence[str]) -> int:
         from gputrain.launch import INTERRUPT_CODES
 
         # A rank that stopped for a signal was agreed with the others, which are leaving too: no SIGTERM.
-        failures = job.stop_all(terminate=not job.signum and first.exitcode not in INTERRUPT_CODES)
-        failures.setdefault(first.local_rank, first)
+        terminate = not job.signum and first.exitcode not in INTERRUPT_CODES
+        failures = job.stop_all(terminate=terminate)
+        if terminate:  # a rank that left for our SIGTERM did not fail: else a crash with no error file (OOM kill)
+            failures = {rank: failure for rank, failure in failures.items()  # could be reported as "interrupted"
+                        if failure.exitcode not in (*INTERRUPT_CODES, -signal.SIGTERM)}
+        failures[first.local_rank] = first
         if job.signum:
             return exit_code_for_signal(job.signum)
         return report_failure(failures)

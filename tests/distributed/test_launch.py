@@ -110,3 +110,40 @@ def test_a_rank_that_cannot_start_leaves_none_of_the_others_running(monkeypatch)
         for proc in started:
             proc.kill()
             proc.wait()
+
+
+FAKE_RANK = '''
+import os, pathlib, signal, sys, time
+
+folder = pathlib.Path(os.environ["MARKER_DIR"])
+if os.environ["RANK"] == "1":
+    while not (folder / "ready").exists():  # rank 0 can take a signal now
+        time.sleep(0.01)
+    sys.exit(1)  # fails, with no error file (as a rank the kernel killed for memory)
+
+
+def leave(signum, frame):
+    (folder / "rank0").write_text(signal.Signals(signum).name)
+    sys.exit(143)  # what a gputrain rank stopped by SIGTERM exits with
+
+
+signal.signal(signal.SIGTERM, leave)
+(folder / "ready").touch()
+time.sleep(60)  # busy outside any collective: only the launcher's SIGTERM ends it early
+'''
+
+
+def test_when_a_rank_fails_the_launcher_stops_the_others_with_sigterm(tmp_path, monkeypatch, capsys):
+    """Over gloo a peer usually dies of the lost connection anyway; a rank busy outside a collective (data loading,
+    a long evaluation, a hook) does not, and must get SIGTERM (then SIGKILL) rather than run on alone. The rank
+    that failed is the one reported, not the one that left, as asked, with 143."""
+    from gputrain.direct_launch import run_direct
+    from gputrain.errors import EXIT_FAILED
+
+    (tmp_path / "fake_rank.py").write_text(FAKE_RANK)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    monkeypatch.setenv("MARKER_DIR", str(tmp_path))
+    assert run_direct(2, "fake_rank", []) == EXIT_FAILED
+    assert (tmp_path / "rank0").read_text() == "SIGTERM"
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "gputrain: error: rank 1 exited with code 1 without an error message")

@@ -76,3 +76,38 @@ def test_flops_are_counted_on_the_float_image_and_nothing_is_written_where_the_c
         assert flops_per_image("imagefolder-resnet50", [*common, option]) == usual
     assert flops_per_image("coco-maskrcnn", [f"data.root={coco}"]) is None  # structured inputs: not counted
     assert sorted(p.name for p in (tmp_path / "classes").iterdir()) == ["circle", "square"]  # no splits/ here
+
+
+def test_synthetic_training_serves_every_index_from_the_first_eight_real_samples(tmp_path):
+    """docs/performance.md: with data.synthetic=true the first 8 real samples are read once and served for every index,
+    so the input pipeline is out of the measurement. In one process, no workers: each read of the dataset is seen.
+    Planted faults: the loader ignores data.synthetic (every sample read each epoch); one sample kept instead of 8."""
+    import torch.nn.functional as F
+    from torch import nn
+    from torch.utils.data import Dataset
+
+    from gputrain import Trainer
+    from gputrain.config import DataConfig, RunConfig
+
+    class Counted(Dataset):
+        def __init__(self, n: int) -> None:
+            self.x, self.reads = torch.arange(n * 4, dtype=torch.float32).reshape(n, 4), []
+
+        def __len__(self) -> int:
+            return len(self.x)
+
+        def __getitem__(self, index: int):
+            self.reads.append(index)
+            return self.x[index], self.x[index].sum(0, keepdim=True)
+
+    for n, kept in ((24, 8), (5, 5)):  # min(8, N) real samples
+        data = Counted(n)
+        t = Trainer(RunConfig(data=DataConfig(synthetic=True)), strategy="single", accelerator="cpu",
+                    progress_bar=False, loggers=[], batch_size=4, epochs=2, out=str(tmp_path / str(n)),
+                    enable_checkpointing=False)
+        t.fit(nn.Linear(4, 1), data, loss=F.mse_loss)
+        assert data.reads == list(range(kept)), f"N={n}: indices read"  # the first min(8, N) once, nothing else
+        assert t.state.samples_seen == 2 * n  # every index of both epochs was trained on
+        served = torch.cat([x for x, _ in t.train_loader])  # one more epoch's batches, as the loop gets them
+        assert len(served) == n and all(any(torch.equal(row, real) for real in data.x[:kept]) for row in served)
+        assert {int(row[0]) // 4 for row in served} == set(range(kept))  # every kept sample is served

@@ -251,6 +251,17 @@ def test_malicious_pickle_is_refused_and_runs_nothing(tmp_path):
     assert store.latest_valid() is None
     assert [(p.name, "not a whole torch checkpoint" in why) for p, why in store.skipped] == [("raw.pt", True)]
     assert not sentinel.exists()
+    # The other doors to the same file: `gputrain eval/export/predict` (load_for_eval) and model_weights, which a
+    # bare state_dict file goes through (docs/checkpoints.md: "Every load uses weights_only=True"). Planted fault: model_weights
+    # unpickles freely (refused later, for not holding tensors, once the payload has run).
+    from gputrain.tools.from_checkpoint import load_for_eval
+
+    for path in (zipped, raw):
+        for load in (model_weights, load_for_eval):
+            with pytest.raises(Exception) as refused:  # any refusal; that no code ran is checked first
+                load(path)
+            assert not sentinel.exists(), f"{load.__name__}({path.name}) ran the file's code"
+            assert "Weights only load failed" in str(refused.value), refused.value  # torch's refusal, named
 
 
 def test_resume_never_silently_starts_over_when_every_checkpoint_is_damaged(tmp_path):

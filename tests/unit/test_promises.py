@@ -3,7 +3,8 @@
 * Checkpoints are written: the exact set of files, readable by the group like a plain ``torch.save``,
   and temporaries a killed save left behind are removed at the next start.
 * A diverged run writes nothing non-finite, ends with :class:`~gputrain.errors.NonFiniteError` (exit 3)
-  whether or not checkpointing is on, and names the last good checkpoint, which holds finite values.
+  whether or not checkpointing is on, and names the last good checkpoint, which holds finite values; a signal's
+  stop at a diverged step ends the same way, without writing that step.
 * Training reads every sample once per epoch, whatever the dataset size.
 
 Each run is a real ``Trainer.fit`` of a tiny model in this process (no workers); the planted fault a
@@ -158,6 +159,27 @@ def test_divergence_inside_an_epoch_stops_a_synchronous_save_before_it_writes(tm
     folder = tmp_path / "checkpoints"
     assert sorted(p.name for p in folder.glob("*.pt")) == ["epoch_0001.pt", "last.pt", "step_000001.pt"]
     assert "the loss, weights or optimizer state became NaN/inf at epoch 2 step 3" in str(error)
+
+
+def test_a_signals_stop_at_a_diverged_step_checks_before_writing_and_stops_there(tmp_path, capsys):
+    """docs/checkpoints.md: the save of a signal's stop checks on every rank before writing (also with the default
+    background writer) and stops at that step: the run ends with the NaN/inf error, not "interrupted" with a checkpoint
+    the writer then skips. Planted fault: that save checked only in the writer thread."""
+    import signal
+
+    from gputrain.hooks.base import Hook
+    from gputrain.resume import tensors_finite
+
+    class SignalAtTheFirstNonFiniteStep(Hook):
+        def after_step(self, trainer, logs):
+            if not trainer.stop.received and not tensors_finite(list(trainer.module.parameters())):
+                signal.getsignal(signal.SIGTERM)(signal.SIGTERM, None)  # the run's handler, as if SIGTERM came now
+
+    error = _diverge(tmp_path, hooks=[SignalAtTheFirstNonFiniteStep()])
+    assert "the loss, weights or optimizer state became NaN/inf at epoch 2 step 3" in str(error)
+    folder = tmp_path / "checkpoints"
+    assert sorted(p.name for p in folder.glob("*.pt")) == ["epoch_0001.pt", "last.pt"]  # no step_000003.pt
+    assert "interrupted" not in capsys.readouterr().out
 
 
 def test_divergence_at_the_end_of_an_epoch_keeps_the_last_good_checkpoint(tmp_path):
