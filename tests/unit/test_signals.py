@@ -48,8 +48,8 @@ def own_handlers() -> Iterator[None]:
 
 
 def test_a_second_ctrl_c_within_two_seconds_is_absorbed_and_one_later_aborts(monkeypatch, own_handlers):
-    """One Ctrl-C can reach a worker twice at once (from the terminal and forwarded by torchrun's agent, whose
-    workers share the terminal's group with it under some shells): that must not abort the checkpoint. A second Ctrl-C more than two seconds after the first aborts at once. Planted fault: any
+    """One stop request can reach a worker twice within moments (sent to every process of the job, as `srun` or a
+    script may do, and forwarded by the launcher as well): that must not abort the checkpoint. A second Ctrl-C more than two seconds after the first aborts at once. Planted fault: any
     second SIGINT aborts. Duplicate real signals merge in Python, so the installed handler is called directly
     and the clock is moved by hand."""
     now = [1000.0]
