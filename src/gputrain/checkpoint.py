@@ -107,17 +107,22 @@ def verify(path: str | Path) -> None:
                          "checkpoint")
 
 
-def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
-    """Load a gputrain checkpoint with ``weights_only=True`` after :func:`verify`; errors name the file."""
-    path = Path(path)
-    verify(path)
+def _load_safely(path: Path, map_location: str | torch.device) -> Any:
+    """``torch.load(weights_only=True)``; torch's several-paragraph refusal becomes one line naming the file."""
     try:
-        state = torch.load(path, map_location=map_location, weights_only=True)
+        return torch.load(path, map_location=map_location, weights_only=True)
     except Exception as err:  # torch raises UnpicklingError, RuntimeError or EOFError by cause
         raise ValueError(
             f"checkpoint {path} cannot be loaded safely ({type(err).__name__}: {str(err).splitlines()[0]}); "
             "it is truncated, corrupt, or holds objects other than tensors and plain containers"
         ) from None
+
+
+def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+    """Load a gputrain checkpoint with ``weights_only=True`` after :func:`verify`; errors name the file."""
+    path = Path(path)
+    verify(path)
+    state = _load_safely(path, map_location)
     if not isinstance(state, dict) or "model" not in state:
         raise ValueError(f"checkpoint {path} is not a gputrain checkpoint (no 'model' entry)")
     return state
@@ -127,7 +132,7 @@ def model_weights(path: str | Path) -> dict[str, torch.Tensor]:
     """Just the model state_dict of a checkpoint, or of a bare state_dict file."""
     path = Path(path)
     verify(path)
-    state = torch.load(path, map_location="cpu", weights_only=True)
+    state = _load_safely(path, "cpu")
     if isinstance(state, dict) and state.get("sharded"):  # model and optimizer live in a DCP folder beside it
         from gputrain.strategies.fsdp_checkpoint import dcp_to_full
 
