@@ -428,11 +428,11 @@ FAULTS: tuple[Fault, ...] = (
           (("    nproc = processes_per_node(cfg.trainer.strategy, cfg.trainer.devices)",
             "    from gputrain.strategies import strategy_class\n\n"
             "    nproc = strategy_class(cfg.trainer.strategy).processes_per_node(cfg.trainer.devices)"),),
-          ("tests/e2e/test_faults.py::test_the_launcher_starts_the_ranks_before_it_imports_torch",)),
+          ("tests/e2e/test_faults.py::test_the_direct_launch_starts_ranks_before_torch_in_own_sessions_and_leaves_none_when_killed",)),
     Fault("the direct launcher keeps the ranks in its own session (a busy machine gives them one share)",
           "src/gputrain/direct_launch.py",
           (("env=env, start_new_session=True,", "env=env,"),),
-          ("tests/e2e/test_faults.py::test_killing_the_launcher_leaves_no_rank_behind",)),
+          ("tests/e2e/test_faults.py::test_the_direct_launch_starts_ranks_before_torch_in_own_sessions_and_leaves_none_when_killed",)),
     Fault("bf16-mixed by name runs on a GPU that only emulates bfloat16", "src/gputrain/precision.py",
           (("torch.cuda.is_bf16_supported(including_emulation=False)", "torch.cuda.is_bf16_supported()"),),
           ("tests/unit/test_units.py::test_bf16_mixed_by_name_is_refused_on_a_gpu_that_only_emulates_bfloat16",)),

@@ -146,20 +146,38 @@ def test_a_signal_to_one_worker_stops_every_rank_after_the_same_step(tmp_path, s
     assert "Traceback" not in stderr and "error" not in stderr, stderr
 
 
-def test_killing_the_launcher_leaves_no_rank_behind(tmp_path):
-    """Direct launch (one node, no restarts): SIGKILL to the launcher alone; both ranks must end by themselves."""
+# `gputrain train` with a spy on Popen: each rank's start appends whether the launcher had imported torch by then.
+SPY_ON_RANK_STARTS = (
+    "import subprocess, sys\n"
+    "start = subprocess.Popen.__init__\n"
+    "def spy(self, args, *rest, **kw):\n"
+    "    if '-m' in args and 'gputrain' in args:\n"
+    "        with open(sys.argv[1], 'a') as f:\n"
+    "            f.write(f\"{'torch' in sys.modules}\\n\")\n"
+    "    start(self, args, *rest, **kw)\n"
+    "subprocess.Popen.__init__ = spy\n"
+    "from gputrain.cli import main\n"
+    "sys.exit(main(sys.argv[2:]))\n"
+)
+
+
+def test_the_direct_launch_starts_ranks_before_torch_in_own_sessions_and_leaves_none_when_killed(tmp_path):
+    """Direct launch (one node, no restarts). The launcher starts the ranks before it imports torch and opens their
+    store after, so both imports run at once: the ranks must still meet and step. Each rank leads a session of its
+    own, as torchrun's do. Then SIGKILL to the launcher alone: both ranks must end by themselves."""
     torch.set_num_threads(1)
-    steps = tmp_path / "steps"
+    steps, spawned = tmp_path / "steps", tmp_path / "spawned"
     steps.mkdir()
     env = {**ENV, "GPUTRAIN_TEST_STEPS_DIR": str(steps)}
-    proc = subprocess.Popen([sys.executable, "-m", "gputrain", "train", str(_recipe(tmp_path)), "--devices", "2",
-                             "--epochs", "500", "--out", str(tmp_path / "run")], env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen([sys.executable, "-c", SPY_ON_RANK_STARTS, str(spawned), "train", str(_recipe(tmp_path)),
+                             "--devices", "2", "--epochs", "500", "--out", str(tmp_path / "run")], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         deadline = time.monotonic() + 240  # a bound for a broken run, not a speed check
         while not all((steps / f"rank{r}").is_file() for r in (0, 1)):
             assert proc.poll() is None and time.monotonic() < deadline, "the run ended or never started a step"
             time.sleep(0.05)
+        assert spawned.read_text().split() == ["False", "False"], "the launcher imported torch before the ranks"
         ranks = _worker_pids(proc.pid)
         assert sorted(ranks) == [0, 1], ranks
         # Each rank leads a session of its own, as torchrun's do (autogroup scheduling shares CPU per session).
@@ -175,29 +193,6 @@ def test_killing_the_launcher_leaves_no_rank_behind(tmp_path):
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
-
-
-def test_the_launcher_starts_the_ranks_before_it_imports_torch(tmp_path):
-    """Direct launch: the ranks start first and the launcher opens their store after its own torch import
-    (about 1.5 s on these cores), so both imports run at once; the run must still meet and finish."""
-    torch.set_num_threads(1)
-    spy = ("import subprocess, sys\n"
-           "at_spawn = []\n"
-           "start = subprocess.Popen.__init__\n"
-           "def spy(self, args, *rest, **kw):\n"
-           "    if '-m' in args and 'gputrain' in args:\n"
-           "        at_spawn.append('torch' in sys.modules)\n"
-           "    start(self, args, *rest, **kw)\n"
-           "subprocess.Popen.__init__ = spy\n"
-           "from gputrain.cli import main\n"
-           "code = main(sys.argv[1:])\n"
-           "print('torch imported when each rank started:', at_spawn)\n"
-           "sys.exit(code)\n")
-    done = subprocess.run([sys.executable, "-c", spy, "train", str(_recipe(tmp_path)), "--devices", "2", "--epochs",
-                           "1", "--out", str(tmp_path / "run")], capture_output=True, text=True, env=ENV, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "torch imported when each rank started: [False, False]" in done.stdout, done.stdout[-2000:]
-    assert (tmp_path / "run" / "checkpoints" / "last.pt").is_file()
 
 
 def _running(pid: int) -> bool:
