@@ -227,10 +227,8 @@ def test_the_next_save_reuses_the_host_buffers_only_after_the_previous_one_is_on
     assert torch.equal(load_checkpoint(folder / "step_000002.pt")["model"]["w"], torch.arange(1000, dtype=torch.float32) + 1)
 
 
-def test_the_optimizer_step_waits_for_the_thread_to_copy_the_weights(tmp_path, monkeypatch):
-    """The thread is held before its copy for 0.3 s (a step of this model takes about a millisecond), so an
-    optimizer step that did not wait would change the weights first. Planted fault: no settle() before the step
-    (the copy would take the next step's weights, or the version check would skip the save)."""
+def _hold_deferred_copies(monkeypatch: pytest.MonkeyPatch, seconds: float = 0.3) -> None:
+    """The writer thread's copy of the weights starts ``seconds`` late, so whatever does not wait for it goes first."""
     import threading
 
     from gputrain import checkpoint_writer
@@ -239,11 +237,18 @@ def test_the_optimizer_step_waits_for_the_thread_to_copy_the_weights(tmp_path, m
 
     def held_copy(self: Any) -> None:
         release = threading.Event()
-        threading.Timer(0.3, release.set).start()
+        threading.Timer(seconds, release.set).start()
         release.wait()
         copy(self)
 
     monkeypatch.setattr(checkpoint_writer._Deferred, "copy", held_copy)
+
+
+def test_the_optimizer_step_waits_for_the_thread_to_copy_the_weights(tmp_path, monkeypatch):
+    """The thread is held before its copy for 0.3 s (a step of this model takes about a millisecond), so an
+    optimizer step that did not wait would change the weights first. Planted fault: no settle() before the step
+    (the copy would take the next step's weights, or the version check would skip the save)."""
+    _hold_deferred_copies(monkeypatch)
     fast = _fit(tmp_path / "async", async_checkpoint=True, epochs=1)
     monkeypatch.undo()
     slow = _fit(tmp_path / "sync", async_checkpoint=False, epochs=1)
@@ -473,20 +478,9 @@ def test_a_signal_stop_names_its_checkpoint_only_once_the_file_is_on_disk(tmp_pa
     """The "interrupted ... (checkpoint PATH)" line tells the user (and SLURM's grace period) that it is safe to
     go: the file must be there when it is printed. The thread's copy is held 0.3 s so that a line printed
     without waiting comes first. Planted fault: the signal's save not waited for."""
-    import threading
-
-    from gputrain import checkpoint_writer
     from gputrain.errors import Interrupted
 
-    copy = checkpoint_writer._Deferred.copy
-
-    def held_copy(self: Any) -> None:
-        release = threading.Event()
-        threading.Timer(0.3, release.set).start()
-        release.wait()
-        copy(self)
-
-    monkeypatch.setattr(checkpoint_writer._Deferred, "copy", held_copy)
+    _hold_deferred_copies(monkeypatch)
     stdout = _CheckpointOnDiskWhenNamed()
     monkeypatch.setattr(sys, "stdout", stdout)
     with pytest.raises(Interrupted) as caught:
