@@ -11,8 +11,8 @@ it starts them and imports torch after. Everything else stays torchrun's: worker
 Each rank runs in a session of its own, as torchrun's workers do: with the kernel's autogroup scheduling
 (on by default in desktop and many server kernels) CPU time is shared out per session, so ranks kept in the
 launcher's session shared one share between them and, on a busy machine, reached their first step 1.2-1.4 times
-as late as torchrun's (docs/benchmarks.md). Signals reach them through the launcher, which forwards what it receives
-(Ctrl-C in a terminal, ``kill -- -PGID``) to every rank. When a rank fails the
+as late as torchrun's (docs/benchmarks.md). Signals reach them through the launcher, which forwards the ones in :data:`FORWARDED`
+it receives (Ctrl-C in a terminal, ``kill -- -PGID``) to every rank. When a rank fails the
 others get SIGTERM, then SIGKILL after a grace period (torchrun's 30 s). A rank whose launcher
 dies (even by SIGKILL) gets SIGTERM from the kernel (``PR_SET_PDEATHSIG``), so none is orphaned.
 """
