@@ -34,6 +34,7 @@ import functools
 import hashlib
 import json
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -190,7 +191,12 @@ def compare_training(folder: Path, pairs: int, steps_per_epoch: int = 8, epochs:
     times: dict[str, list[tuple[float, float]]] = {v: [] for v in variants}
     for i in range(pairs + 1):  # round 0 warms up and is dropped
         for variant in variants[i % 3:] + variants[:i % 3]:
-            seconds = training_run(folder / variant, variant, steps_per_epoch, epochs)
+            # A new folder per run, the last one deleted outside the timing: clearing a previous run's checkpoints
+            # (overwrite=True) cost about 90 ms at the start of each run that had written some, which no
+            # variant without checkpoints paid.
+            out = folder / f"{variant}-{i}"
+            seconds = training_run(out, variant, steps_per_epoch, epochs)
+            shutil.rmtree(out)
             os.sync()
             if i:
                 times[variant].append(seconds)

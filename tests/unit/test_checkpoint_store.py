@@ -454,3 +454,79 @@ def test_a_valid_checkpoint_of_the_same_size_is_not_the_one_listed(tmp_path):
     with pytest.raises(ValueError, match="checksum mismatch: zip records crc32"):
         load_checkpoint(newer)
     assert _saved_step(tmp_path / "last.pt") == 2
+
+
+def _large_state(step: int) -> dict:
+    """Two staging buffers' worth (8 MiB each) and an end that is not a multiple of the 4 KiB block."""
+    return {"model": {"w": torch.arange(4_500_001, dtype=torch.float32) + step, "b": torch.ones(3)},
+            "state": {"global_step": step, "epoch": 0}}
+
+
+@pytest.fixture
+def direct_io_used(tmp_path, monkeypatch):
+    """Whether each write_temporary went around the page cache (the real check, recorded); skips where the test
+    folder's file system takes no O_DIRECT (then only the page-cache path exists there)."""
+    from gputrain import checkpoint_io
+
+    kind = checkpoint_io.file_system_type(str(tmp_path))
+    if kind not in checkpoint_io.DIRECT_IO_FILE_SYSTEMS:
+        pytest.skip(f"the test folder is on {kind or 'an unknown file system'}, which gputrain writes without O_DIRECT")
+    used: list[bool] = []
+    real = checkpoint_io._direct_io
+
+    def recording(fd: int, folder: Path) -> bool:
+        used.append(real(fd, folder))
+        return used[-1]
+
+    monkeypatch.setattr(checkpoint_io, "_direct_io", recording)
+    return used
+
+
+def test_direct_and_page_cache_writes_give_the_same_file(tmp_path, monkeypatch, direct_io_used):
+    """On a local disk the temporary goes to the disk with O_DIRECT through an aligned staging buffer, elsewhere
+    through the page cache: the bytes must be the same, over several staging buffers, with the padded last block cut
+    back, and into a recycled file longer than the new one. Planted faults: the padding kept, the staging copy
+    misplaced."""
+    from gputrain import checkpoint_io
+
+    (tmp_path / "direct").mkdir()
+    (tmp_path / "cached").mkdir()
+    direct, size, checksum = checkpoint_io.write_temporary(_large_state(1), tmp_path / "direct", "a.pt")
+    longer = tmp_path / "direct" / ".retired.tmp"
+    longer.write_bytes(b"\xff" * (size + 3 * 4096 + 17))
+    recycled, small_size, _ = checkpoint_io.write_temporary(_state(2), tmp_path / "direct", "b.pt", reuse=longer)
+    assert direct_io_used == [True, True]
+    monkeypatch.setattr(checkpoint_io, "DIRECT_IO_FILE_SYSTEMS", frozenset())
+    cached, cached_size, cached_checksum = checkpoint_io.write_temporary(_large_state(1), tmp_path / "cached", "a.pt")
+    small, _, _ = checkpoint_io.write_temporary(_state(2), tmp_path / "cached", "b.pt")
+    assert direct_io_used == [True, True, False, False]
+    assert (size, checksum) == (cached_size, cached_checksum) == (direct.stat().st_size, checksum)
+    assert direct.read_bytes() == cached.read_bytes()
+    assert recycled.read_bytes() == small.read_bytes() and recycled.stat().st_size == small_size
+    loaded = torch.load(direct, weights_only=True)
+    assert torch.equal(loaded["model"]["w"], _large_state(1)["model"]["w"])
+
+
+def test_a_file_that_refuses_direct_writes_is_written_through_the_page_cache(tmp_path, monkeypatch, direct_io_used):
+    """A device or file system may refuse a direct write (EINVAL) although the flag was taken, and a write may come
+    back short: the save goes on through the page cache, or with the rest, and the file is whole. The refusal and the
+    short write are planted (this disk takes direct writes). Planted fault: EINVAL raised."""
+    import errno
+    import fcntl
+
+    real_write, calls = os.write, []
+
+    def refusing_write(fd: int, data) -> int:
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            calls.append(len(data))
+            if len(calls) == 1:
+                return real_write(fd, memoryview(data)[:4096])  # short, but whole blocks: stays direct
+            if len(calls) == 2:
+                raise OSError(errno.EINVAL, "Invalid argument")
+        return real_write(fd, data)
+
+    monkeypatch.setattr(os, "write", refusing_write)
+    store = CheckpointStore(tmp_path)
+    path = store.save(_large_state(5), name="step_000005")
+    assert direct_io_used == [True] and len(calls) == 2  # after the refusal, no write asked for O_DIRECT
+    assert torch.equal(load_checkpoint(path)["model"]["w"], _large_state(5)["model"]["w"])
