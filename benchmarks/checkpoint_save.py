@@ -175,22 +175,33 @@ def training_run(out: Path, variant: str, steps_per_epoch: int, epochs: int) -> 
         "none": dict(enable_checkpointing=False),
         "sync": dict(checkpoint_every_n_steps=4, checkpoint_every_n_epochs=0, async_checkpoint=False),
         "async": dict(checkpoint_every_n_steps=4, checkpoint_every_n_epochs=0, async_checkpoint=True),
-    }[variant]
+    }[variant.removesuffix("-page-cache")]
     steps = StepTimes()
     trainer = Trainer(strategy="single", accelerator="cpu", progress_bar=False, loggers=[], batch_size=8,
                       epochs=epochs, out=str(out), overwrite=True, pictures=0, hooks=[steps], **checkpoints)
+    from gputrain import checkpoint_io
+
+    direct_file_systems = checkpoint_io.DIRECT_IO_FILE_SYSTEMS
+    if variant.endswith("-page-cache"):  # as before 2026-11-25: every checkpoint written through the page cache
+        checkpoint_io.DIRECT_IO_FILE_SYSTEMS = frozenset()
     start = time.perf_counter()
-    trainer.fit(model, data, loss=F.cross_entropy)
+    try:
+        trainer.fit(model, data, loss=F.cross_entropy)
+    finally:
+        checkpoint_io.DIRECT_IO_FILE_SYSTEMS = direct_file_systems
     # Mean, not median: one step in four carries the save, and a median would hide it.
     return time.perf_counter() - start, statistics.fmean(steps.times)
 
 
-def compare_training(folder: Path, pairs: int, steps_per_epoch: int = 8, epochs: int = 3) -> dict[str, Any]:
-    """Interleaved rounds of none / sync / async (rotated so none always goes first); medians of per-round ratios."""
-    variants = ["none", "sync", "async"]
+def compare_training(folder: Path, pairs: int, steps_per_epoch: int = 8, epochs: int = 3,
+                     page_cache: bool = False) -> dict[str, Any]:
+    """Interleaved rounds of none / sync / async (rotated so none always goes first); medians of per-round ratios.
+
+    ``page_cache``: also sync and async with every file written through the page cache (no O_DIRECT)."""
+    variants = ["none", "sync", "async"] + (["sync-page-cache", "async-page-cache"] if page_cache else [])
     times: dict[str, list[tuple[float, float]]] = {v: [] for v in variants}
     for i in range(pairs + 1):  # round 0 warms up and is dropped
-        for variant in variants[i % 3:] + variants[:i % 3]:
+        for variant in variants[i % len(variants):] + variants[:i % len(variants)]:
             # A new folder per run, the last one deleted outside the timing: clearing a previous run's checkpoints
             # (overwrite=True) cost about 90 ms at the start of each run that had written some, which no
             # variant without checkpoints paid.
@@ -207,7 +218,8 @@ def compare_training(folder: Path, pairs: int, steps_per_epoch: int = 8, epochs:
     def ratio(a: str, b: str, which: int = 0) -> float:
         return statistics.median(ratios(a, b, which))
 
-    return {"pairs": pairs, "steps": steps_per_epoch * epochs,
+    extra = {f"{k} {v}/none": ratio(v, "none", int(k == "step")) for v in variants[3:] for k in ("fit", "step")}
+    return {**extra, "pairs": pairs, "steps": steps_per_epoch * epochs,
             "rounds": {"async/none": ratios("async", "none"), "step async/none": ratios("async", "none", 1),
                        "sync/none": ratios("sync", "none"), "step sync/none": ratios("sync", "none", 1)},
             "wall_s": {v: statistics.median(w for w, _ in t) for v, t in times.items()},
@@ -224,6 +236,8 @@ def main() -> None:
     parser.add_argument("--json", default="")
     parser.add_argument("--training", action="store_true",
                         help="instead: ResNet-18 training with a checkpoint every 4 steps, none / sync / async")
+    parser.add_argument("--page-cache", action="store_true",
+                        help="with --training: also sync and async through the page cache (no O_DIRECT), interleaved")
     parser.add_argument("--steps-per-epoch", type=int, default=32, help="with --training: steps in each of 3 epochs")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -231,7 +245,7 @@ def main() -> None:
         Path(args.dir).mkdir(parents=True, exist_ok=True)
     if args.training:
         with tempfile.TemporaryDirectory(prefix="gputrain-ckpt-train-", dir=args.dir or None) as tmp:
-            r = compare_training(Path(tmp), args.pairs, steps_per_epoch=args.steps_per_epoch)
+            r = compare_training(Path(tmp), args.pairs, steps_per_epoch=args.steps_per_epoch, page_cache=args.page_cache)
         w, st = r["wall_s"], r["step_s"]
         print("| ResNet-18, 16x16, batch 8 | no checkpoint | sync every 4 | async every 4 | sync / none "
               "| async / none | async / sync |")
@@ -240,6 +254,10 @@ def main() -> None:
               f"| {r['sync/none']:.3f} | {r['async/none']:.3f} | {r['async/sync']:.3f} |")
         print(f"| mean step, epochs 2-3 | {st['none'] * 1e3:.1f} ms | {st['sync'] * 1e3:.1f} ms "
               f"| {st['async'] * 1e3:.1f} ms | {r['step sync/none']:.3f} | {r['step async/none']:.3f} | |")
+        for variant in ("sync-page-cache", "async-page-cache"):
+            if variant in w:
+                print(f"| {variant}: whole fit {w[variant]:.2f} s ({r[f'fit {variant}/none']:.3f} of none), mean step "
+                      f"{st[variant] * 1e3:.1f} ms ({r[f'step {variant}/none']:.3f}) | | | | | | |")
         spread = {k: f"{min(v):.3f}..{max(v):.3f}" for k, v in r["rounds"].items()}
         print(f"\nMedians of {args.pairs} rotated rounds; ratios are medians of per-round ratios "
               f"(per-round min..max: {spread}).")

@@ -200,6 +200,7 @@ def run_workers(spec: LaunchSpec, module: str, module_args: Sequence[str]) -> in
             return run_direct(spec.nproc_per_node, module, module_args)
         from torch.distributed.elastic.multiprocessing.api import SignalException
         from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+        from torch.distributed.elastic.rendezvous import RendezvousError
 
         try:
             run_torchrun(spec, module, module_args)
@@ -207,6 +208,15 @@ def run_workers(spec: LaunchSpec, module: str, module_args: Sequence[str]) -> in
             return exit_code_for_signal(err.sigval)
         except ChildFailedError as err:
             return report_failure(err.failures)
+        except RendezvousError as err:
+            # torchrun's agent raises these to the top when the node hosting the rendezvous store ends or fails
+            # first (its output has the cause), or when the nodes never meet: one line, not the agent's traceback.
+            first = (str(err).splitlines() or [""])[0]
+            print(f"gputrain: error: node {spec.node_rank} lost the rendezvous at {spec.rdzv_endpoint} "
+                  f"({type(err).__name__}: {first}); if another node ended or failed first, its output says why; "
+                  "otherwise check that every node runs the same command with the same --nnodes and --rdzv-endpoint, "
+                  "and that the endpoint is reachable from each", file=sys.stderr, flush=True)
+            return EXIT_FAILED
     return EXIT_OK
 
 

@@ -23,6 +23,7 @@ import torch
 
 from gputrain.checkpoint import load_checkpoint, rng_state, set_rng_state
 from gputrain.checkpoint_io import tensors_finite
+from gputrain.checkpoint_writer import CheckpointWriteError
 from gputrain.errors import NonFiniteError
 from gputrain.loop_state import TrainState
 
@@ -115,21 +116,50 @@ def save_checkpoint(trainer: Trainer, name: str, metrics: dict[str, float] | Non
         save_sharded(trainer.strategy, trainer.module, trainer.optimizer, store.folder / sharded)
         trainer.strategy.barrier()
     state = checkpoint_state(trainer, sharded)
-    path = None
+    path, failed = None, None
     if trainer.dist.is_main:
         # What a forward pass may change in place (buffers such as BatchNorm statistics, frozen parameters) is
         # copied now; the writer thread copies the rest while the next step's forward and backward run, and
         # the loop settles the writer before the optimizer step changes them (Trainer._call).
         module = trainer.module
         volatile = [*module.buffers(), *(p for p in module.parameters() if not p.requires_grad)]
-        path = trainer.checkpoint_writer.save(state, name=name, metrics=metrics, volatile=volatile,
-                                              check_finite=in_background)
-        if wait:
-            trainer.checkpoint_writer.wait()
-    if sharded and trainer.dist.is_main:
+        try:
+            path = trainer.checkpoint_writer.save(state, name=name, metrics=metrics, volatile=volatile,
+                                                  check_finite=in_background)
+            if wait:
+                trainer.checkpoint_writer.wait()
+        except Exception as err:  # noqa: BLE001  (every rank must hear of it: raised below, after the agreement)
+            failed = err
+    if sharded and trainer.dist.is_main and failed is None:
         _prune_sharded_folders(store.folder)
-    trainer.strategy.barrier()
+    _agree_on_the_write(trainer, failed)
     return path
+
+
+def _agree_on_the_write(trainer: Trainer, failed: Exception | None) -> None:
+    """The collective every rank meets after a save (a barrier before), carrying whether rank 0's write failed.
+
+    A failed write shows on rank 0 only: the synchronous one at once, the background one at the next save. Rank 0
+    alone raising would leave the other ranks waiting in their next collective: over gloo until they notice the lost
+    connection, over NCCL until the launcher's SIGTERM and SIGKILL. Now every rank raises the same one line at once.
+    """
+    if trainer.dist.world_size == 1:
+        if failed is not None:
+            raise failed
+        return
+    flag = torch.tensor([0.0 if failed is None else 1.0], device=trainer.strategy.root_device)
+    if not trainer.strategy.all_reduce(flag, op="max").item():
+        return
+    line = ""
+    if failed is not None:
+        first = (str(failed).splitlines() or [""])[0]
+        line = first if isinstance(failed, CheckpointWriteError) else (
+            f"a checkpoint was not written on rank 0 ({type(failed).__name__}: {first}); fix the cause (disk space, "
+            "permissions of the folder) and resume")
+    line = trainer.strategy.broadcast_object(line)
+    if failed is not None:
+        raise failed
+    raise CheckpointWriteError(line)
 
 
 def _prune_sharded_folders(folder: Path) -> None:

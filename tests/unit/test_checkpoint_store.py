@@ -530,3 +530,59 @@ def test_a_file_that_refuses_direct_writes_is_written_through_the_page_cache(tmp
     path = store.save(_large_state(5), name="step_000005")
     assert direct_io_used == [True] and len(calls) == 2  # after the refusal, no write asked for O_DIRECT
     assert torch.equal(load_checkpoint(path)["model"]["w"], _large_state(5)["model"]["w"])
+
+
+def test_saves_at_the_same_time_each_get_their_own_staging_buffer(tmp_path, monkeypatch, direct_io_used):
+    """Two stores' background writers and an atomic_save may write at once: more writers than the two pooled buffers
+    must not fail (a buffer still exported to numpy cannot be closed). Planted fault: the export kept."""
+    import threading
+
+    from gputrain import checkpoint_io
+
+    together = threading.Barrier(3)
+    real_init = checkpoint_io._DirectWriter.__init__
+
+    def in_step(self, fd: int, *, crc: bool) -> None:
+        real_init(self, fd, crc=crc)
+        together.wait(timeout=30)  # all three hold a buffer at once
+
+    monkeypatch.setattr(checkpoint_io._DirectWriter, "__init__", in_step)
+    errors: list[BaseException] = []
+
+    def save(i: int) -> None:
+        try:
+            atomic_save(_state(i), tmp_path / f"{i}.pt")
+        except BaseException as err:  # noqa: BLE001  (collected for the assertion)
+            errors.append(err)
+
+    threads = [threading.Thread(target=save, args=(i,)) for i in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == [] and len(direct_io_used) == 3
+    assert [torch.load(tmp_path / f"{i}.pt", weights_only=True)["model"]["w"][0].item() for i in range(3)] == [0, 1, 2]
+
+
+def test_a_process_forked_after_a_save_does_not_share_the_staging_buffer(tmp_path, direct_io_used):
+    """A child forked after a save (a kill test's saver, a worker) inherits the pooled buffer: it must get its own
+    copy of its pages, or a save in the child would write into the parent's next checkpoint. Planted fault: a shared
+    mapping."""
+    from gputrain import checkpoint_io
+
+    atomic_save(_state(1), tmp_path / "a.pt")
+    buffer = checkpoint_io._staging[-1]
+    buffer[:8] = b"PARENT!!"
+    pid = os.fork()
+    if pid == 0:  # the child scribbles over its view of the pooled buffer and leaves at once
+        buffer[:8] = b"CHILD!!!"
+        os._exit(0)
+    os.waitpid(pid, 0)
+    assert buffer[:8] == b"PARENT!!"
+
+
+def test_an_object_refused_twice_is_named_where_the_check_met_it(tmp_path):
+    """The check walks without building names and names the refused entry only then, by the same walk."""
+    bad = object()
+    with pytest.raises(ValueError, match=r"^checkpoint entry state\['b'\] is a builtins\.object"):
+        CheckpointStore(tmp_path).save({"model": {}, "a": bad, "b": bad}, name="step_000001")
