@@ -19,12 +19,19 @@ store uses CRC-32. 1 torch thread; wall and CPU time (``time.process_time``) bot
     python benchmarks/checkpoint_save.py --pairs 7 --dir runs/bench --json runs/bench/checkpoint_save.json
 
 ``--training`` (issue 16) times whole ``Trainer.fit`` runs of ResNet-18 (16x16 images, batch 8, Adam; 3 epochs
-of ``--steps-per-epoch`` steps) without checkpoints, with a synchronous checkpoint every 4 steps, and with an
-asynchronous one (``trainer.async_checkpoint``), in rotated order, and gives the medians of per-round ratios:
-of the whole ``fit`` (which includes the wait for the last save at the end), and of the median step time of
-the epochs after the first, where the steady cost per save shows without the end's one-time wait.
+of ``--steps-per-epoch`` steps), each in a new process, without checkpoints, with a synchronous checkpoint every 4
+steps, and with a background one written by a thread (``trainer.checkpoint_process=false``, and what a CPU run
+planned to write fewer than 128 checkpoints gets) or by the writer process (forced here), in rotated order, and gives the medians of per-round ratios: of the whole ``fit`` (which
+includes starting the writer process and the wait for the last save at the end), and of the mean step time of the
+epochs after the first, where the steady cost per save shows without the end's one-time wait.
 
-    python benchmarks/checkpoint_save.py --training --pairs 5 --dir runs/bench
+    python benchmarks/checkpoint_save.py --training --pairs 8 --dir runs/bench
+
+``--alternate BLOCKS`` measures the steady cost per step alone, for the thread and the process: in one
+``Trainer.fit``, blocks of 32 steps without saves and with the Trainer's save every 4 steps alternate, so the
+machine's slow drifts fall on both alike (``--pairs`` runs of each writer, in rotation, each in a new process).
+
+    python benchmarks/checkpoint_save.py --alternate 24 --pairs 4 --dir runs/bench
 """
 
 from __future__ import annotations
@@ -36,6 +43,8 @@ import json
 import os
 import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 import zlib
@@ -142,9 +151,15 @@ def checksum_speeds(megabytes: int = 256) -> dict[str, float]:
     return speeds
 
 
-def training_run(out: Path, variant: str, steps_per_epoch: int, epochs: int) -> tuple[float, float]:
-    """(wall seconds of the whole ``fit``, median seconds per step after the first epoch) of a ResNet-18
-    ``Trainer.fit`` (16x16 images, batch 8), checkpointing every 4 steps or not."""
+TRAINING_VARIANTS = ("none", "sync", "thread", "process")
+"""No checkpoints; a synchronous save every 4 steps; a background save written by a thread of the training process
+(``trainer.checkpoint_process=false``); a background save written by the writer process (the default on a CPU for runs of 128 saves or more; forced
+here)."""
+
+
+def training_run(out: Path, variant: str, steps_per_epoch: int, epochs: int) -> dict[str, float]:
+    """A ResNet-18 ``Trainer.fit`` (16x16 images, batch 8, Adam), checkpointing every 4 steps or not: wall seconds
+    of the whole ``fit`` and the mean step time after the first epoch, and how many saves the writer process wrote."""
     import torch.nn.functional as F
     from torch.utils.data import TensorDataset
 
@@ -171,62 +186,151 @@ def training_run(out: Path, variant: str, steps_per_epoch: int, epochs: int) -> 
     data = TensorDataset(torch.rand(n, 3, 16, 16, generator=g), torch.randint(0, 10, (n,), generator=g))
     torch.manual_seed(0)
     model = torchvision.models.resnet18(num_classes=10)
+    every_4 = dict(checkpoint_every_n_steps=4, checkpoint_every_n_epochs=0)
     checkpoints: dict[str, Any] = {
         "none": dict(enable_checkpointing=False),
-        "sync": dict(checkpoint_every_n_steps=4, checkpoint_every_n_epochs=0, async_checkpoint=False),
-        "async": dict(checkpoint_every_n_steps=4, checkpoint_every_n_epochs=0, async_checkpoint=True),
-    }[variant.removesuffix("-page-cache")]
+        "sync": dict(every_4, async_checkpoint=False),
+        "thread": dict(every_4, async_checkpoint=True, checkpoint_process=False),
+        "process": dict(every_4, async_checkpoint=True, checkpoint_process="auto"),
+    }[variant]
+    if variant == "process":
+        from gputrain import fast_path
+
+        fast_path.WRITER_PROCESS_MIN_SAVES = 0  # asked for whatever the run's length (a short one keeps the thread)
     steps = StepTimes()
     trainer = Trainer(strategy="single", accelerator="cpu", progress_bar=False, loggers=[], batch_size=8,
                       epochs=epochs, out=str(out), overwrite=True, pictures=0, hooks=[steps], **checkpoints)
-    from gputrain import checkpoint_io
-
-    direct_file_systems = checkpoint_io.DIRECT_IO_FILE_SYSTEMS
-    if variant.endswith("-page-cache"):  # as before 2026-11-25: every checkpoint written through the page cache
-        checkpoint_io.DIRECT_IO_FILE_SYSTEMS = frozenset()
     start = time.perf_counter()
-    try:
-        trainer.fit(model, data, loss=F.cross_entropy)
-    finally:
-        checkpoint_io.DIRECT_IO_FILE_SYSTEMS = direct_file_systems
+    trainer.fit(model, data, loss=F.cross_entropy)
+    fit_s = time.perf_counter() - start
+    writer = trainer.checkpoint_writer
     # Mean, not median: one step in four carries the save, and a median would hide it.
-    return time.perf_counter() - start, statistics.fmean(steps.times)
+    return {"fit_s": fit_s, "step_s": statistics.fmean(steps.times),
+            "process_writes": float(writer.process_writes if writer is not None else 0)}
 
 
-def compare_training(folder: Path, pairs: int, steps_per_epoch: int = 8, epochs: int = 3,
-                     page_cache: bool = False) -> dict[str, Any]:
-    """Interleaved rounds of none / sync / async (rotated so none always goes first); medians of per-round ratios.
+def _run_in_a_new_process(out: Path, variant: str, steps_per_epoch: int, epochs: int) -> dict[str, float]:
+    """:func:`training_run` in a fresh interpreter, as a user's run is: no heap, staging buffers, spare files or writer
+    process left by the run before (the figures before 2026-11-25's tenth session ran every fit in one process)."""
+    done = subprocess.run([sys.executable, __file__, "--one-run", variant, str(out), str(steps_per_epoch), str(epochs)],
+                          capture_output=True, text=True, check=False)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    if done.returncode or not lines:
+        raise SystemExit(f"the {variant} run failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+    return json.loads(lines[-1].removeprefix("RESULT "))
 
-    ``page_cache``: also sync and async with every file written through the page cache (no O_DIRECT)."""
-    variants = ["none", "sync", "async"] + (["sync-page-cache", "async-page-cache"] if page_cache else [])
-    times: dict[str, list[tuple[float, float]]] = {v: [] for v in variants}
-    for i in range(pairs + 1):  # round 0 warms up and is dropped
-        for variant in variants[i % len(variants):] + variants[:i % len(variants)]:
-            # A new folder per run, the last one deleted outside the timing: clearing a previous run's checkpoints
-            # (overwrite=True) cost about 90 ms at the start of each run that had written some, which no
-            # variant without checkpoints paid.
+
+def compare_training(folder: Path, pairs: int, steps_per_epoch: int = 8, epochs: int = 3) -> dict[str, Any]:
+    """Interleaved rounds of every variant (rotated so none always goes first), each fit in a new process; medians of
+    per-round ratios to the run without checkpoints."""
+    times: dict[str, list[dict[str, float]]] = {v: [] for v in TRAINING_VARIANTS}
+    for i in range(pairs + 1):  # round 0 warms up (the disk, the page cache of torch's files) and is dropped
+        k = i % len(TRAINING_VARIANTS)
+        for variant in TRAINING_VARIANTS[k:] + TRAINING_VARIANTS[:k]:
             out = folder / f"{variant}-{i}"
-            seconds = training_run(out, variant, steps_per_epoch, epochs)
-            shutil.rmtree(out)
+            result = _run_in_a_new_process(out, variant, steps_per_epoch, epochs)
+            shutil.rmtree(out)  # outside the timing
             os.sync()
             if i:
-                times[variant].append(seconds)
+                times[variant].append(result)
 
-    def ratios(a: str, b: str, which: int = 0) -> list[float]:
-        return [x[which] / y[which] for x, y in zip(times[a], times[b], strict=True)]
+    def ratios(variant: str, key: str) -> list[float]:
+        return [x[key] / y[key] for x, y in zip(times[variant], times["none"], strict=True)]
 
-    def ratio(a: str, b: str, which: int = 0) -> float:
-        return statistics.median(ratios(a, b, which))
+    return {"pairs": pairs, "steps": steps_per_epoch * epochs,
+            "rounds": {f"{key} {v}/none": ratios(v, key) for v in TRAINING_VARIANTS[1:] for key in ("fit_s", "step_s")},
+            "fit_s": {v: statistics.median(r["fit_s"] for r in t) for v, t in times.items()},
+            "step_s": {v: statistics.median(r["step_s"] for r in t) for v, t in times.items()},
+            "process_writes": {v: statistics.median(r["process_writes"] for r in t) for v, t in times.items()},
+            **{f"{key} {v}/none": statistics.median(ratios(v, key)) for v in TRAINING_VARIANTS[1:]
+               for key in ("fit_s", "step_s")}}
 
-    extra = {f"{k} {v}/none": ratio(v, "none", int(k == "step")) for v in variants[3:] for k in ("fit", "step")}
-    return {**extra, "pairs": pairs, "steps": steps_per_epoch * epochs,
-            "rounds": {"async/none": ratios("async", "none"), "step async/none": ratios("async", "none", 1),
-                       "sync/none": ratios("sync", "none"), "step sync/none": ratios("sync", "none", 1)},
-            "wall_s": {v: statistics.median(w for w, _ in t) for v, t in times.items()},
-            "step_s": {v: statistics.median(s for _, s in t) for v, t in times.items()},
-            "sync/none": ratio("sync", "none"), "async/none": ratio("async", "none"),
-            "async/sync": ratio("async", "sync"),
-            "step sync/none": ratio("sync", "none", 1), "step async/none": ratio("async", "none", 1)}
+
+def alternating_blocks(folder: Path, process: bool, blocks: int, block: int = 32) -> dict[str, Any]:
+    """The steady cost of background saves per step, in one ``Trainer.fit``: blocks of ``block`` ResNet-18 steps
+    (16x16, batch 8, Adam) without saves and with a save every 4 steps alternate (A B B A A B ...), so the machine's
+    slow drifts fall on both alike.
+
+    The saves are the Trainer's own (``gputrain.resume.save_checkpoint`` from a hook after the step, as
+    ``trainer.checkpoint_every_n_steps`` makes them), written by a thread or by the writer process (started with the
+    run and waited for, so its start-up is not counted). The first 4 steps of a block without saves are not counted:
+    the last save of the block before may still be in flight there. Median over block pairs of (mean step with saves
+    / mean step without).
+    """
+    import torch.nn.functional as F
+    from torch.utils.data import TensorDataset
+
+    from gputrain import Trainer, fast_path
+    from gputrain.hooks.base import Hook
+    from gputrain.resume import save_checkpoint
+
+    fast_path.WRITER_PROCESS_MIN_SAVES = 0  # one long epoch plans one save; the process is asked for here
+
+    class Blocks(Hook):
+        def __init__(self) -> None:
+            self.without: list[float] = []
+            self.with_saves: list[float] = []
+            self.times: list[float] = []
+            self.last = 0.0
+
+        def before_epoch(self, trainer: Any) -> None:
+            if process and not trainer.checkpoint_writer.process_ready(timeout=120):
+                raise SystemExit("the checkpoint writer process did not start")
+            self.last = time.perf_counter()
+
+        def after_step(self, trainer: Any, logs: Any) -> None:
+            now = time.perf_counter()
+            self.times.append(now - self.last)
+            self.last = now  # a save's own time in the step lands in the next step, as with checkpoint_every_n_steps
+            k = trainer.state.global_step - 1 - 3 * block  # steps after the warm-up
+            pair, i = divmod(k, 2 * block) if k >= 0 else (0, -1)
+            saving = k < 0 or ((i < block) == (pair % 2 == 0))  # A B, then B A, ...
+            if k >= 0 and i % block == block - 1:  # a block ends: its mean step
+                times = self.times[-block:]
+                (self.with_saves if saving else self.without).append(
+                    statistics.fmean(times) if saving else statistics.fmean(times[4:]))
+            if saving and trainer.state.global_step % 4 == 0:
+                save_checkpoint(trainer, f"step_{trainer.state.global_step:06d}")
+
+    steps = (3 + 2 * blocks) * block
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.rand(8 * steps, 3, 16, 16, generator=g), torch.randint(0, 10, (8 * steps,), generator=g))
+    torch.manual_seed(0)
+    hook = Blocks()
+    trainer = Trainer(strategy="single", accelerator="cpu", progress_bar=False, loggers=[], batch_size=8, epochs=1,
+                      out=str(folder), overwrite=True, pictures=0, hooks=[hook], checkpoint_every_n_steps=0,
+                      checkpoint_process="auto" if process else False)
+    trainer.fit(torchvision.models.resnet18(num_classes=10), data, loss=F.cross_entropy)
+    ratios = [b / a for a, b in zip(hook.without, hook.with_saves, strict=True)]
+    return {"blocks": blocks, "step_without_s": statistics.median(hook.without),
+            "step_with_saves_s": statistics.median(hook.with_saves), "ratio": statistics.median(ratios),
+            "quartiles": statistics.quantiles(ratios), "process_writes": trainer.checkpoint_writer.process_writes}
+
+
+def report_alternate(args: argparse.Namespace) -> None:
+    """``--alternate BLOCKS``: thread and process, ``--pairs`` rounds each in rotation, one new process per run."""
+    rows: dict[str, list[dict[str, Any]]] = {"thread": [], "process": []}
+    with tempfile.TemporaryDirectory(prefix="gputrain-ckpt-alt-", dir=args.dir or None) as tmp:
+        for i in range(args.pairs):
+            for kind in ("thread", "process") if i % 2 == 0 else ("process", "thread"):
+                out = Path(tmp) / f"{kind}-{i}"
+                done = subprocess.run([sys.executable, __file__, "--one-alternate", kind, str(out), str(args.alternate)],
+                                      capture_output=True, text=True, check=False)
+                lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+                if done.returncode or not lines:
+                    raise SystemExit(f"the {kind} run failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+                rows[kind].append(json.loads(lines[-1].removeprefix("RESULT ")))
+                shutil.rmtree(out, ignore_errors=True)
+    print(f"| writer | step without saves | step with a save every 4 | with / without, per run ({args.alternate} block "
+          "pairs of 32 steps) | median of runs |")
+    print("|---|---:|---:|---|---:|")
+    for kind, runs in rows.items():
+        per_run = ", ".join(f"{r['ratio']:.3f}" for r in runs)
+        print(f"| {kind} | {statistics.median(r['step_without_s'] for r in runs) * 1e3:.1f} ms "
+              f"| {statistics.median(r['step_with_saves_s'] for r in runs) * 1e3:.1f} ms | {per_run} "
+              f"| {statistics.median(r['ratio'] for r in runs):.3f} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2))
 
 
 def main() -> None:
@@ -235,32 +339,45 @@ def main() -> None:
     parser.add_argument("--dir", default="", help="where to write (default: the system temporary folder)")
     parser.add_argument("--json", default="")
     parser.add_argument("--training", action="store_true",
-                        help="instead: ResNet-18 training with a checkpoint every 4 steps, none / sync / async")
-    parser.add_argument("--page-cache", action="store_true",
-                        help="with --training: also sync and async through the page cache (no O_DIRECT), interleaved")
+                        help="instead: ResNet-18 training with a checkpoint every 4 steps: none / sync / thread / process")
     parser.add_argument("--steps-per-epoch", type=int, default=32, help="with --training: steps in each of 3 epochs")
+    parser.add_argument("--alternate", type=int, default=0, metavar="BLOCKS",
+                        help="instead: the steady cost per step, thread vs process, in alternating blocks (one process "
+                             "each, run --pairs times in rotation)")
+    parser.add_argument("--one-run", nargs=4, metavar=("VARIANT", "OUT", "STEPS", "EPOCHS"), help=argparse.SUPPRESS)
+    parser.add_argument("--one-alternate", nargs=3, metavar=("WRITER", "OUT", "BLOCKS"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.one_run:
+        variant, out, steps, epochs = args.one_run
+        print("RESULT " + json.dumps(training_run(Path(out), variant, int(steps), int(epochs))), flush=True)
+        return
+    if args.one_alternate:
+        kind, out, blocks = args.one_alternate
+        print("RESULT " + json.dumps(alternating_blocks(Path(out), kind == "process", int(blocks))), flush=True)
+        return
     if args.dir:
         Path(args.dir).mkdir(parents=True, exist_ok=True)
+    if args.alternate:
+        report_alternate(args)
+        return
     if args.training:
         with tempfile.TemporaryDirectory(prefix="gputrain-ckpt-train-", dir=args.dir or None) as tmp:
-            r = compare_training(Path(tmp), args.pairs, steps_per_epoch=args.steps_per_epoch, page_cache=args.page_cache)
-        w, st = r["wall_s"], r["step_s"]
-        print("| ResNet-18, 16x16, batch 8 | no checkpoint | sync every 4 | async every 4 | sync / none "
-              "| async / none | async / sync |")
-        print("|---|---:|---:|---:|---:|---:|---:|")
-        print(f"| whole fit, {r['steps']} steps | {w['none']:.2f} s | {w['sync']:.2f} s | {w['async']:.2f} s "
-              f"| {r['sync/none']:.3f} | {r['async/none']:.3f} | {r['async/sync']:.3f} |")
+            r = compare_training(Path(tmp), args.pairs, steps_per_epoch=args.steps_per_epoch)
+        f, st = r["fit_s"], r["step_s"]
+        print("| ResNet-18, 16x16, batch 8, Adam | no checkpoint | sync every 4 | thread every 4 | process every 4 "
+              "| sync / none | thread / none | process / none |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|")
+        print(f"| whole fit, {r['steps']} steps | {f['none']:.2f} s | {f['sync']:.2f} s | {f['thread']:.2f} s "
+              f"| {f['process']:.2f} s | {r['fit_s sync/none']:.3f} | {r['fit_s thread/none']:.3f} "
+              f"| {r['fit_s process/none']:.3f} |")
         print(f"| mean step, epochs 2-3 | {st['none'] * 1e3:.1f} ms | {st['sync'] * 1e3:.1f} ms "
-              f"| {st['async'] * 1e3:.1f} ms | {r['step sync/none']:.3f} | {r['step async/none']:.3f} | |")
-        for variant in ("sync-page-cache", "async-page-cache"):
-            if variant in w:
-                print(f"| {variant}: whole fit {w[variant]:.2f} s ({r[f'fit {variant}/none']:.3f} of none), mean step "
-                      f"{st[variant] * 1e3:.1f} ms ({r[f'step {variant}/none']:.3f}) | | | | | | |")
+              f"| {st['thread'] * 1e3:.1f} ms | {st['process'] * 1e3:.1f} ms | {r['step_s sync/none']:.3f} "
+              f"| {r['step_s thread/none']:.3f} | {r['step_s process/none']:.3f} |")
         spread = {k: f"{min(v):.3f}..{max(v):.3f}" for k, v in r["rounds"].items()}
-        print(f"\nMedians of {args.pairs} rotated rounds; ratios are medians of per-round ratios "
-              f"(per-round min..max: {spread}).")
+        print(f"\nMedians of {args.pairs} rotated rounds, each fit in a new process; ratios are medians of per-round "
+              f"ratios (per-round min..max: {spread}). Saves the writer process wrote per fit (median): "
+              f"{r['process_writes']['process']:.0f}.")
         if args.json:
             Path(args.json).write_text(json.dumps(r, indent=2))
         return

@@ -193,13 +193,16 @@ class CheckpointStore:
         self._spares: list[Path] = []  # retired files no name points to, for the next saves to overwrite
 
     def save(self, state: dict[str, Any], *, name: str, metrics: dict[str, float] | None = None,
-             before_commit: Callable[[], None] | None = None) -> Path:
+             before_commit: Callable[[], None] | None = None,
+             write: Callable[..., tuple[Path, int, dict[str, str]]] = write_temporary) -> Path:
         """Write ``<name>.pt`` (unless ``name`` is empty), ``last.pt``, and ``best.pt`` when the monitor improves.
 
         Returns the numbered file, or ``last.pt`` when ``name`` is empty. Step and epoch for the
         manifest come from ``state["state"]`` (``global_step``, ``epoch``) when it has them.
         ``before_commit`` runs once the file is written and before any name points to it; if it raises,
         nothing is committed and the temporaries are removed (the background writer's last check).
+        ``write`` writes the temporary (:func:`~gputrain.checkpoint_io.write_temporary`, or the same in the
+        checkpoint writer process).
         """
         numbered = _file_name(name)
         check_plain(state)  # fail now, not when a resume hours later cannot load the file
@@ -210,7 +213,12 @@ class CheckpointStore:
         if self._improves(metrics, manifest["files"].get("best.pt")):
             targets.append("best.pt")
         spare = self._spares.pop() if self._spares else None
-        tmp, size, checksum = write_temporary(state, self.folder, targets[0], reuse=spare)
+        try:
+            tmp, size, checksum = write(state, self.folder, targets[0], reuse=spare)
+        except BaseException:
+            if spare is not None and spare.exists():  # refused before it took the file (a NaN check, say): keep it
+                self._spares.append(spare)
+            raise
         temps = {targets[0]: tmp}
         try:
             for target in targets[1:]:

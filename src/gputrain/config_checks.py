@@ -163,7 +163,8 @@ def check_combinations(cfg: RunConfig) -> None:
                          "(the cores of the node divided by its processes)")
     for name, value in (("trainer.channels_last", t.channels_last), ("trainer.cudnn_benchmark", t.cudnn_benchmark),
                         ("optim.fused", cfg.optim.fused), ("trainer.reuse_host_memory", t.reuse_host_memory),
-                        ("data.normalize_on_device", cfg.data.normalize_on_device)):
+                        ("data.normalize_on_device", cfg.data.normalize_on_device),
+                        ("trainer.checkpoint_process", t.checkpoint_process)):
         if isinstance(value, str) and value != "auto":
             raise ValueError(f"{name}={value!r} must be auto, true or false")
     from gputrain.fast_path import COMPILE_MODES

@@ -11,6 +11,8 @@ by ``auto`` only where it helps and is safe:
   mixed-precision recipes set, takes float16 with loss scaling on GPUs without bfloat16);
 * host memory kept for reuse (``trainer.reuse_host_memory``): wherever the C library is glibc, on a CPU
   too -- it changes where memory comes from, never a computed value;
+* checkpoints written by a writer process (``trainer.checkpoint_process``): where the model trains on the CPU
+  (on a GPU the snapshot goes to pinned memory, which a thread writes); it changes who writes the file only;
 * ``uint8`` training batches normalized on the device (``data.normalize_on_device``, chosen when the task's
   data is built): on a GPU, for built-in classification; the same values, a quarter of the bytes moved;
 * ``torch.compile``: never by ``auto`` -- its compile time (a minute for ResNet-18) is repaid only by
@@ -51,14 +53,17 @@ class FastPath:
     normalize_on_device: bool = False
     """Training images cross from the loader workers as ``uint8`` and are normalized on the device (decided when
     the task's data was built: ``data.normalize_on_device``)."""
+    checkpoint_process: bool = False
+    """Background checkpoints are written by a writer process (:mod:`gputrain.checkpoint_process`)."""
 
     def describe(self) -> str:
-        """``fast=channels_last+compile(default)+fused+cudnn_benchmark+reuse_host_memory+normalize_on_device``, or
-        ``fast=off``."""
+        """``fast=channels_last+compile(default)+fused+cudnn_benchmark+reuse_host_memory+normalize_on_device+``
+        ``checkpoint_process``, or ``fast=off``."""
         on = [name for name, flag in (("channels_last", self.channels_last), ("fused", self.fused_optimizer),
                                       ("cudnn_benchmark", self.cudnn_benchmark),
                                       ("reuse_host_memory", self.reuse_host_memory),
-                                      ("normalize_on_device", self.normalize_on_device)) if flag]
+                                      ("normalize_on_device", self.normalize_on_device),
+                                      ("checkpoint_process", self.checkpoint_process)) if flag]
         if self.compile_mode:
             on.insert(1 if self.channels_last else 0, f"compile({self.compile_mode})")
         return "fast=" + ("+".join(on) if on else "off")
@@ -82,6 +87,21 @@ class FastPath:
         return model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
 
 
+WRITER_PROCESS_MIN_SAVES = 128
+"""A run planned to write fewer checkpoints keeps them in a thread. Measured on the 2-core test machine (ResNet-18,
+16x16, batch 8, Adam, a save every 4 steps; docs/benchmarks.md): the process saves the training thread about 3.5 % of
+the step time in steady state (some 10 ms per save), and its start costs about 1.5-2 s of the other core (torch's
+import) and 300 MB of memory; whole fits of 24 and 96 saves were as fast or slower with it. It pays after some 150
+saves there, sooner where cores are not all busy. Short runs (most tests, smoke runs) then start no extra process."""
+
+
+def writer_process_pays(fast: FastPath, planned_saves: int) -> FastPath:
+    """``fast`` with the writer process off when the run plans fewer than :data:`WRITER_PROCESS_MIN_SAVES` saves."""
+    if fast.checkpoint_process and planned_saves < WRITER_PROCESS_MIN_SAVES:
+        return dataclasses.replace(fast, checkpoint_process=False)
+    return fast
+
+
 def _auto(value: bool | str, default: bool) -> bool:
     return default if value == "auto" else bool(value)
 
@@ -90,11 +110,14 @@ def resolve(cfg: RunConfig, device: torch.device, *, fixed_shapes: bool = True,
             normalize_on_device: bool = False) -> FastPath:
     """The options of ``cfg`` for a run on ``device``; ``fixed_shapes`` is False for tasks whose inputs vary in size,
     ``normalize_on_device`` says whether the task's training batches arrive as ``uint8`` (resolved with its data)."""
+    from gputrain import checkpoint_process
+
     t = cfg.trainer
     cuda = device.type == "cuda"
     if t.reuse_host_memory is True and not glibc():
         raise ValueError("trainer.reuse_host_memory=true tunes glibc's allocator, and this system's C library is not "
                          "glibc; set trainer.reuse_host_memory=auto or false")
+    background = t.enable_checkpointing and t.async_checkpoint and not cfg.parallel.sharded_checkpoint
     return FastPath(
         channels_last=_auto(t.channels_last, cuda and fixed_shapes),
         compile_mode=t.compile_mode if t.compile else None,
@@ -102,6 +125,10 @@ def resolve(cfg: RunConfig, device: torch.device, *, fixed_shapes: bool = True,
         cudnn_benchmark=_auto(t.cudnn_benchmark, cuda and fixed_shapes),
         reuse_host_memory=_auto(t.reuse_host_memory, glibc()),
         normalize_on_device=normalize_on_device,
+        # true as auto: the process writes states held in host memory only (on a GPU the snapshot is pinned memory,
+        # which a thread writes), so a config written on a CPU resolves again anywhere without a refusal.
+        checkpoint_process=(background and t.checkpoint_process is not False and device.type == "cpu"
+                            and checkpoint_process.supported()),
     )
 
 
@@ -164,7 +191,7 @@ def with_resolved(cfg: RunConfig, fast: FastPath) -> RunConfig:
     """``cfg`` with every ``auto`` replaced by what it resolved to, so config.yaml and checkpoints say what ran."""
     t, o = cfg.trainer, cfg.optim
     trainer = dataclasses.replace(t, channels_last=fast.channels_last, cudnn_benchmark=fast.cudnn_benchmark,
-                                  reuse_host_memory=fast.reuse_host_memory)
+                                  reuse_host_memory=fast.reuse_host_memory, checkpoint_process=fast.checkpoint_process)
     data = dataclasses.replace(cfg.data, normalize_on_device=fast.normalize_on_device)
     return dataclasses.replace(cfg, trainer=trainer, optim=dataclasses.replace(o, fused=fast.fused_optimizer),
                                data=data)

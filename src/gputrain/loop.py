@@ -24,7 +24,7 @@ from gputrain.config import validate as check_config
 from gputrain.data.samplers import SeededSamples, StepBatchSampler
 from gputrain.dist import DistInfo, init_distributed, restart_attempt
 from gputrain.errors import Interrupted
-from gputrain.fast_path import FastPath, resolve_precision
+from gputrain.fast_path import FastPath, resolve_precision, with_resolved, writer_process_pays
 from gputrain.hooks.base import Hook
 from gputrain.loop_state import TrainState, seed_everything
 from gputrain.optim import build_scheduler
@@ -209,6 +209,10 @@ class Trainer:
         if t.enable_checkpointing:
             from gputrain.checkpoint import CheckpointStore, remove_stale_temporaries
 
+            every = t.checkpoint_every_n_steps
+            epochs_left = t.epochs - (resume_state["state"].get("epoch", 0) if resume_state is not None else 0)
+            self._writer_process_if_it_pays(epochs_left * (1 + ((self.steps_per_epoch - 1) // every if every else 0)))
+
             self.checkpoints = CheckpointStore(self.out / "checkpoints", keep_last=t.keep_last, monitor=t.monitor,
                                                monitor_mode=t.monitor_mode, recycle=True)
             if self.dist.is_main:
@@ -217,7 +221,8 @@ class Trainer:
 
             # DCP writes a sharded checkpoint collectively in save_checkpoint; its small file stays in step.
             self.checkpoint_writer = CheckpointWriter(
-                self.checkpoints, asynchronous=t.async_checkpoint and not self.cfg.parallel.sharded_checkpoint)
+                self.checkpoints, asynchronous=t.async_checkpoint and not self.cfg.parallel.sharded_checkpoint,
+                process=self.fast.checkpoint_process)
         self.hooks = default_hooks(self.cfg) + self.extra_hooks
         if resume_state is not None:
             apply_resume_state(self, resume_state)
@@ -235,6 +240,13 @@ class Trainer:
         self.cfg = fast_path.with_resolved(self.cfg, self.fast)
         self.fast.apply_backend_flags()
         return self.fast.prepare_model(model)
+
+    def _writer_process_if_it_pays(self, planned_saves: int) -> None:
+        """The checkpoint writer process off for a run of few saves (:data:`~gputrain.fast_path.WRITER_PROCESS_MIN_SAVES`);
+        config.yaml, summary.json and the start-up line then say so."""
+        fast = writer_process_pays(self.fast, planned_saves)
+        if fast != self.fast:
+            self.fast, self.cfg = fast, with_resolved(self.cfg, fast)
 
     @property
     def target_device(self) -> Any:
@@ -281,6 +293,8 @@ class Trainer:
             t = self.cfg.trainer
             if self.resumed and self.state.epoch >= t.epochs:
                 return already_finished(self)
+            if self.checkpoint_writer is not None and self.dist.is_main:
+                self.checkpoint_writer.start()  # it imports torch while the run starts, ready by the first saves
             self._announce()
             with StopRequest(self.dist.world_size) as self.stop:
                 try:
@@ -292,6 +306,9 @@ class Trainer:
         except BaseException:
             self.discard_untrained_run()
             raise
+        finally:
+            if self.checkpoint_writer is not None:
+                self.checkpoint_writer.close()  # the writer process leaves (also when setup failed after it started)
 
     def discard_untrained_run(self) -> None:
         """After a fresh run failed before its first optimizer step, remove what it wrote (rank 0)."""

@@ -43,6 +43,7 @@ from gputrain.checkpoint_io import PAUSE_ENV, read_manifest
 from gputrain.checkpoint_writer import CheckpointWriteError, CheckpointWriter
 from gputrain.config import OptimConfig, RunConfig
 from gputrain.hooks.base import Hook
+from held_save import HeldSave
 
 
 def _fit(out: Path, model: nn.Module | None = None, **trainer: Any) -> Trainer:
@@ -93,7 +94,8 @@ def test_async_and_sync_checkpoints_load_to_the_same_state(tmp_path):
         config_a, config_b = a.pop("config"), b.pop("config")
         _assert_same_state(a, b)
         for config in (config_a, config_b):  # the only differences: where, and which way, it was written
-            config["trainer"].pop("out"), config["trainer"].pop("async_checkpoint")
+            for key in ("out", "async_checkpoint", "checkpoint_process"):
+                config["trainer"].pop(key)
         assert config_a == config_b
     listed = [{n: (e["seq"], e["step"], e["epoch"], e.get("same_as")) for n, e in read_manifest(folder)["files"].items()}
               for folder in (tmp_path / "async" / "checkpoints", tmp_path / "sync" / "checkpoints")]
@@ -119,26 +121,9 @@ def test_resume_from_an_async_checkpoint_equals_the_uninterrupted_run(tmp_path):
         assert torch.equal(value, resumed.module.state_dict()[key]), key
 
 
-class _HeldSave:
-    """Hold the writer thread inside ``torch.save`` (after its first bytes) until :meth:`release`."""
-
-    def __init__(self, folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.fifo = folder / "hold.fifo"
-        os.mkfifo(self.fifo)
-        monkeypatch.setenv(PAUSE_ENV, str(self.fifo))
-        self.end: Any = None
-
-    def reached(self) -> None:
-        """Returns once the writer has opened the FIFO, i.e. it is paused inside the write."""
-        self.end = open(self.fifo, "wb")  # noqa: SIM115  (blocks until the reader, the writer, opens it)
-
-    def release(self) -> None:
-        self.end.close()
-
-
 def test_the_step_cannot_change_a_checkpoint_being_written(tmp_path, monkeypatch):
     """Planted fault: the state is not copied before save returns (the step then mutates it)."""
-    held = _HeldSave(tmp_path, monkeypatch)
+    held = HeldSave(tmp_path, monkeypatch)
     writer = CheckpointWriter(CheckpointStore(tmp_path / "checkpoints"))
     weights = torch.arange(1000, dtype=torch.float32)
     momentum = {"state": {0: {"momentum_buffer": torch.ones(10)}}, "param_groups": [{"lr": 0.1, "params": [0]}]}
@@ -158,7 +143,7 @@ def test_the_step_cannot_change_a_checkpoint_being_written(tmp_path, monkeypatch
 
 
 def test_a_failed_background_save_fails_the_next_save_in_one_line(tmp_path, monkeypatch):
-    held = _HeldSave(tmp_path, monkeypatch)
+    held = HeldSave(tmp_path, monkeypatch)
     store = CheckpointStore(tmp_path / "checkpoints")
     writer = CheckpointWriter(store)
     writer.save({"model": {}, "state": {"global_step": 1}}, name="step_000001")
@@ -203,7 +188,7 @@ def test_the_next_save_reuses_the_host_buffers_only_after_the_previous_one_is_on
     once the save that holds them has been written. Planted fault: ``save`` does not wait for the one in flight."""
     import threading
 
-    held = _HeldSave(tmp_path, monkeypatch)
+    held = HeldSave(tmp_path, monkeypatch)
     writer = CheckpointWriter(CheckpointStore(tmp_path / "checkpoints"))
     weights = torch.arange(1000, dtype=torch.float32)
     writer.save({"model": {"w": weights}, "state": {"global_step": 1}}, name="step_000001")
@@ -415,7 +400,7 @@ def test_a_failed_background_save_names_the_newest_whole_checkpoint(tmp_path, mo
     writer = CheckpointWriter(store)
     writer.save({"model": {"w": torch.ones(3)}, "state": {"global_step": 1}}, name="step_000001")
     writer.wait()
-    held = _HeldSave(tmp_path, monkeypatch)
+    held = HeldSave(tmp_path, monkeypatch)
     writer.save({"model": {"w": torch.zeros(3)}, "state": {"global_step": 2}}, name="step_000002")
     held.reached()
     (temporary,) = store.folder.glob(".step_000002.pt.*.tmp")

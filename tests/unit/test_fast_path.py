@@ -25,7 +25,7 @@ def test_auto_turns_the_options_on_for_cuda_and_leaves_a_cpu_run_as_it_was():
     cfg = RunConfig()
     # On a CPU, auto changes only where host memory comes from (never a computed value): see the fault test below.
     assert glibc()  # the machines this suite runs on (Linux); elsewhere auto leaves the allocator alone
-    assert resolve(cfg, torch.device("cpu")) == FastPath(reuse_host_memory=True)
+    assert resolve(cfg, torch.device("cpu")) == FastPath(reuse_host_memory=True, checkpoint_process=True)
     assert resolve(cfg, torch.device("cuda", 0)) == FastPath(channels_last=True, fused_optimizer=True,
                                                              cudnn_benchmark=True, reuse_host_memory=True)
     # Detection batches images of different sizes inside the model: neither layout nor autotuner is chosen for it.
@@ -48,14 +48,17 @@ def test_the_resolved_config_replaces_every_auto_by_what_ran(on):
     on or off, never ``auto`` (a resume on another machine would resolve it anew). Planted faults: a field
     (``reuse_host_memory``, ``optim.fused``) not written back."""
     fast = FastPath(channels_last=on, fused_optimizer=on, cudnn_benchmark=on, reuse_host_memory=on,
-                    normalize_on_device=on)
+                    normalize_on_device=on, checkpoint_process=on)
     cfg = with_resolved(RunConfig(), fast)
     written = {"trainer.channels_last": cfg.trainer.channels_last, "trainer.cudnn_benchmark": cfg.trainer.cudnn_benchmark,
                "trainer.reuse_host_memory": cfg.trainer.reuse_host_memory, "optim.fused": cfg.optim.fused,
-               "data.normalize_on_device": cfg.data.normalize_on_device}
+               "data.normalize_on_device": cfg.data.normalize_on_device,
+               "trainer.checkpoint_process": cfg.trainer.checkpoint_process}
     assert written == dict.fromkeys(written, on)
-    # Resolving the written config again gives the same options, whatever the device: nothing is left to auto.
-    assert resolve(cfg, torch.device("cuda", 0), normalize_on_device=on) == fast
+    # Resolving the written config again gives the same options, whatever the device: nothing is left to auto. The
+    # writer process alone is for a model on the CPU: a config written by a CPU run resolves it off on a GPU.
+    assert resolve(cfg, torch.device("cuda", 0), normalize_on_device=on) == dataclasses.replace(
+        fast, checkpoint_process=False)
     assert resolve(cfg, torch.device("cpu"), normalize_on_device=on) == fast
 
 
@@ -85,9 +88,10 @@ def test_reusing_host_memory_is_refused_where_the_c_library_is_not_glibc(monkeyp
     with pytest.raises(ValueError, match=r"trainer\.reuse_host_memory=true .* not glibc; set "
                                          r"trainer\.reuse_host_memory=auto or false"):
         resolve(load_config(None, ["trainer.reuse_host_memory=true"]), torch.device("cpu"))
-    assert resolve(RunConfig(), torch.device("cpu")) == FastPath()  # auto: off, so the run is the plain path
+    alone = FastPath(checkpoint_process=True)  # who writes checkpoints does not touch the allocator
+    assert resolve(RunConfig(), torch.device("cpu")) == alone  # auto: off, so the run is the plain path
     assert resolve(RunConfig(), torch.device("cuda", 0)).reuse_host_memory is False
-    assert resolve(load_config(None, ["trainer.reuse_host_memory=false"]), torch.device("cpu")) == FastPath()
+    assert resolve(load_config(None, ["trainer.reuse_host_memory=false"]), torch.device("cpu")) == alone
 
 
 @pytest.mark.parametrize(("native", "auto", "mixed"), [(True, "bf16-mixed", "bf16-mixed"), (False, "32", "16-mixed")])
@@ -226,7 +230,7 @@ def test_summary_names_the_options_that_ran_and_times_the_first_step(tmp_path):
 
     _train(str(tmp_path / "run"), "single", 1, 16, epochs=1, channels_last=True)
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    assert summary["fast"] == "channels_last+reuse_host_memory" and summary["first_step_s"] > 0
+    assert summary["fast"] == "channels_last+reuse_host_memory" and summary["first_step_s"] > 0  # 2 saves: a thread
 
 
 _HEAP_OR_MMAP = """
