@@ -20,8 +20,8 @@ store uses CRC-32. 1 torch thread; wall and CPU time (``time.process_time``) bot
 
 ``--training`` (issue 16) times whole ``Trainer.fit`` runs of ResNet-18 (16x16 images, batch 8, Adam; 3 epochs
 of ``--steps-per-epoch`` steps), each in a new process, without checkpoints, with a synchronous checkpoint every 4
-steps, and with a background one written by a thread (``trainer.checkpoint_process=false``, and what a CPU run
-planned to write fewer than 128 checkpoints gets) or by the writer process (forced here), in rotated order, and gives the medians of per-round ratios: of the whole ``fit`` (which
+steps, and with a background one written by a thread (``trainer.checkpoint_process=false``, the default) or by the
+writer process (``true``), in rotated order, and gives the medians of per-round ratios: of the whole ``fit`` (which
 includes starting the writer process and the wait for the last save at the end), and of the mean step time of the
 epochs after the first, where the steady cost per save shows without the end's one-time wait.
 
@@ -153,8 +153,7 @@ def checksum_speeds(megabytes: int = 256) -> dict[str, float]:
 
 TRAINING_VARIANTS = ("none", "sync", "thread", "process")
 """No checkpoints; a synchronous save every 4 steps; a background save written by a thread of the training process
-(``trainer.checkpoint_process=false``); a background save written by the writer process (the default on a CPU for runs of 128 saves or more; forced
-here)."""
+(``trainer.checkpoint_process=false``, the default); a background save written by the writer process (``true``)."""
 
 
 def training_run(out: Path, variant: str, steps_per_epoch: int, epochs: int) -> dict[str, float]:
@@ -191,12 +190,8 @@ def training_run(out: Path, variant: str, steps_per_epoch: int, epochs: int) -> 
         "none": dict(enable_checkpointing=False),
         "sync": dict(every_4, async_checkpoint=False),
         "thread": dict(every_4, async_checkpoint=True, checkpoint_process=False),
-        "process": dict(every_4, async_checkpoint=True, checkpoint_process="auto"),
+        "process": dict(every_4, async_checkpoint=True, checkpoint_process=True),
     }[variant]
-    if variant == "process":
-        from gputrain import fast_path
-
-        fast_path.WRITER_PROCESS_MIN_SAVES = 0  # asked for whatever the run's length (a short one keeps the thread)
     steps = StepTimes()
     trainer = Trainer(strategy="single", accelerator="cpu", progress_bar=False, loggers=[], batch_size=8,
                       epochs=epochs, out=str(out), overwrite=True, pictures=0, hooks=[steps], **checkpoints)
@@ -260,11 +255,10 @@ def alternating_blocks(folder: Path, process: bool, blocks: int, block: int = 32
     import torch.nn.functional as F
     from torch.utils.data import TensorDataset
 
-    from gputrain import Trainer, fast_path
+    from gputrain import Trainer
     from gputrain.hooks.base import Hook
     from gputrain.resume import save_checkpoint
 
-    fast_path.WRITER_PROCESS_MIN_SAVES = 0  # one long epoch plans one save; the process is asked for here
 
     class Blocks(Hook):
         def __init__(self) -> None:
@@ -299,7 +293,7 @@ def alternating_blocks(folder: Path, process: bool, blocks: int, block: int = 32
     hook = Blocks()
     trainer = Trainer(strategy="single", accelerator="cpu", progress_bar=False, loggers=[], batch_size=8, epochs=1,
                       out=str(folder), overwrite=True, pictures=0, hooks=[hook], checkpoint_every_n_steps=0,
-                      checkpoint_process="auto" if process else False)
+                      checkpoint_process=process)
     trainer.fit(torchvision.models.resnet18(num_classes=10), data, loss=F.cross_entropy)
     ratios = [b / a for a, b in zip(hook.without, hook.with_saves, strict=True)]
     return {"blocks": blocks, "step_without_s": statistics.median(hook.without),

@@ -2,11 +2,12 @@
 
 Why a process: a background *thread* that runs ``torch.save`` holds the training process's GIL while it pickles
 (``persistent_id`` and each tensor's ``__reduce_ex__`` are Python, about 1,200 calls for ResNet-18 with Adam) and
-glues the zip records together, and the training thread waits for the GIL between its own operations. Measured on
-the 2-core test machine (ResNet-18, 16x16, batch 8, Adam, a save every 4 steps, alternating blocks of 32 steps with
-and without saves in one process): the steady step cost of a background save fell from 8.5-12.6 % with the thread
-to 3.2-7.2 % with this process (docs/benchmarks.md). PyTorch's distributed checkpoint moved its asynchronous saves
-to a process for the same reason.
+glues the zip records together, and the training thread waits for the GIL between its own operations. PyTorch's
+distributed checkpoint offers a process for its asynchronous saves for the same reason. Measured on the 2-core test
+machine (ResNet-18, 16x16, batch 8, Adam, a save every 4 steps, alternating blocks of 32 steps with and without
+saves): the steady step cost of a background save went from 12.8 % with the thread to 11.6 % with this process in
+``Trainer.fit``, and from 8.9 % to 5.3 % in a plain loop (docs/benchmarks.md); the rest is memory traffic a process
+does not remove, so ``trainer.checkpoint_process`` is off by default.
 
 How: :class:`SharedHostMemory` is one ``memfd`` mapping from which the snapshot's host buffers are cut (reused save
 after save while the state's layout stays the same). :class:`WriterProcess` starts this interpreter on this

@@ -26,7 +26,7 @@ training, a signal's stop, a diverged run). An error in the thread is kept and r
 :class:`CheckpointWriteError`, one line naming the file, so a failed save is never lost. With
 ``asynchronous=False`` the same object writes in the caller's thread (``trainer.async_checkpoint=false``).
 
-With ``process=True`` (``trainer.checkpoint_process``, on by default where the state lives on the CPU) the host
+With ``process=True`` (``trainer.checkpoint_process=true``, for a state that lives on the CPU) the host
 buffers are cut from shared memory and the file itself is written by a writer process
 (:mod:`gputrain.checkpoint_process`), so ``torch.save``'s pickling does not hold this process's GIL; the thread
 still copies, waits for the process and commits. Until the process is ready (it imports torch first), for a state

@@ -216,10 +216,10 @@ class TrainerConfig:
     """Stop each epoch after this many optimizer steps (smoke tests, parity); 0 means the whole epoch."""
     async_checkpoint: bool = True
     """Write checkpoints in a background thread: the step only copies the state (sharded checkpoints stay synchronous)."""
-    checkpoint_process: bool | str = "auto"
-    """With async_checkpoint, a writer process writes the files (pickling outside the training process's GIL): auto or
-    true (where the model trains on the CPU, on Linux; a GPU's pinned snapshot is written by a thread) or false (a
-    thread always; docs/checkpoints.md)."""
+    checkpoint_process: bool | str = False
+    """With async_checkpoint, a writer process writes the files (pickling outside the training process's GIL): false
+    (a thread of the training process), auto (CPU runs planned to write at least 128 checkpoints) or true (every run
+    whose model trains on the CPU, on Linux; a GPU's pinned snapshot is always written by a thread; docs/checkpoints.md)."""
     channels_last: bool | str = "auto"
     """Channels-last memory format for the model and its image batches: auto (on CUDA for fixed-shape images, not
     detection), true or false (docs/performance.md)."""

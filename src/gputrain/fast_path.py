@@ -11,8 +11,10 @@ by ``auto`` only where it helps and is safe:
   mixed-precision recipes set, takes float16 with loss scaling on GPUs without bfloat16);
 * host memory kept for reuse (``trainer.reuse_host_memory``): wherever the C library is glibc, on a CPU
   too -- it changes where memory comes from, never a computed value;
-* checkpoints written by a writer process (``trainer.checkpoint_process``): where the model trains on the CPU
-  (on a GPU the snapshot goes to pinned memory, which a thread writes); it changes who writes the file only;
+* checkpoints written by a writer process (``trainer.checkpoint_process``): off by default (on the 2-core test
+  machine it saved 1-4 % of the step and cost its start); ``auto`` turns it on for CPU runs of at least
+  :data:`WRITER_PROCESS_MIN_SAVES` planned saves, ``true`` for every CPU run (on a GPU the snapshot goes to pinned
+  memory, which a thread writes); it changes who writes the file only;
 * ``uint8`` training batches normalized on the device (``data.normalize_on_device``, chosen when the task's
   data is built): on a GPU, for built-in classification; the same values, a quarter of the bytes moved;
 * ``torch.compile``: never by ``auto`` -- its compile time (a minute for ResNet-18) is repaid only by
@@ -88,11 +90,11 @@ class FastPath:
 
 
 WRITER_PROCESS_MIN_SAVES = 128
-"""A run planned to write fewer checkpoints keeps them in a thread. Measured on the 2-core test machine (ResNet-18,
-16x16, batch 8, Adam, a save every 4 steps; docs/benchmarks.md): the process saves the training thread about 3.5 % of
-the step time in steady state (some 10 ms per save), and its start costs about 1.5-2 s of the other core (torch's
-import) and 300 MB of memory; whole fits of 24 and 96 saves were as fast or slower with it. It pays after some 150
-saves there, sooner where cores are not all busy. Short runs (most tests, smoke runs) then start no extra process."""
+"""With ``trainer.checkpoint_process=auto``, a run planned to write fewer checkpoints keeps them in a thread. Measured
+on the 2-core test machine (ResNet-18, 16x16, batch 8, Adam, a save every 4 steps; docs/benchmarks.md): the process
+saved 1.2 % of the steady step in ``Trainer.fit`` and 3.6 % in a plain loop (some 1-10 ms per save), and its start
+costs about 1.5-2 s of the other core (torch's import) and 300 MB of memory; whole fits of 24 and 96 saves were as fast
+or slower with it. Short runs (most tests, smoke runs) start no extra process."""
 
 
 def writer_process_pays(fast: FastPath, planned_saves: int) -> FastPath:

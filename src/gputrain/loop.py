@@ -211,7 +211,8 @@ class Trainer:
 
             every = t.checkpoint_every_n_steps
             epochs_left = t.epochs - (resume_state["state"].get("epoch", 0) if resume_state is not None else 0)
-            self._writer_process_if_it_pays(epochs_left * (1 + ((self.steps_per_epoch - 1) // every if every else 0)))
+            if self._writer_process_auto:
+                self._writer_process_if_it_pays(epochs_left * (1 + ((self.steps_per_epoch - 1) // every if every else 0)))
 
             self.checkpoints = CheckpointStore(self.out / "checkpoints", keep_last=t.keep_last, monitor=t.monitor,
                                                monitor_mode=t.monitor_mode, recycle=True)
@@ -235,6 +236,8 @@ class Trainer:
         """Resolve the speed options for this device and task (docs/performance.md); the model in its memory format."""
         from gputrain import fast_path
 
+        # auto alone leaves a run of few saves to the thread (decided in _setup, once the steps per epoch are known)
+        self._writer_process_auto = self.cfg.trainer.checkpoint_process == "auto"
         self.fast: FastPath = fast_path.resolve(self.cfg, self.dist.device, fixed_shapes=task.fixed_shapes,
                                                 normalize_on_device=getattr(task, "normalizes_on_device", False))
         self.cfg = fast_path.with_resolved(self.cfg, self.fast)
@@ -242,8 +245,8 @@ class Trainer:
         return self.fast.prepare_model(model)
 
     def _writer_process_if_it_pays(self, planned_saves: int) -> None:
-        """The checkpoint writer process off for a run of few saves (:data:`~gputrain.fast_path.WRITER_PROCESS_MIN_SAVES`);
-        config.yaml, summary.json and the start-up line then say so."""
+        """With ``checkpoint_process=auto``, the writer process off for a run of few saves
+        (:data:`~gputrain.fast_path.WRITER_PROCESS_MIN_SAVES`); config.yaml, summary.json and the start-up line say so."""
         fast = writer_process_pays(self.fast, planned_saves)
         if fast != self.fast:
             self.fast, self.cfg = fast, with_resolved(self.cfg, fast)

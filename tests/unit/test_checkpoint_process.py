@@ -392,13 +392,15 @@ def _fit(out: Path, samples: int = 64, **trainer: Any) -> tuple[Trainer, _SeeThe
     return t, seen
 
 
-def test_fit_on_a_cpu_starts_the_writer_process_and_leaves_none_behind(tmp_path):
-    """Planted fault: fit does not close the writer (its process lives on after the run)."""
-    t, seen = _fit(tmp_path / "run")
+@pytest.mark.parametrize(("samples", "setting"), [(64, "auto"), (56, True)])
+def test_fit_on_a_cpu_starts_the_writer_process_and_leaves_none_behind(tmp_path, samples, setting):
+    """auto for a run of enough saves; true for any run. Planted fault: fit does not close the writer (its process
+    lives on after the run)."""
+    t, seen = _fit(tmp_path / "run", samples, checkpoint_process=setting)
     assert t.cfg.trainer.checkpoint_process is True and t.fast.describe().endswith("+checkpoint_process")
     assert len(seen.pids) == 2 and seen.pids[0] is not None  # started with the run, on rank 0
     assert _writer_processes() == [] and not _alive(seen.pids[0])
-    assert load_checkpoint(tmp_path / "run" / "checkpoints" / "last.pt")["state"]["global_step"] == 16
+    assert load_checkpoint(tmp_path / "run" / "checkpoints" / "last.pt")["state"]["global_step"] == samples // 4
     # A resumed run that has nothing left to train returns early: the process it started leaves all the same.
     again = Trainer(strategy="single", accelerator="cpu", progress_bar=False, loggers=[], batch_size=8, epochs=2,
                     out=str(tmp_path / "run"), resume="auto")
@@ -407,10 +409,11 @@ def test_fit_on_a_cpu_starts_the_writer_process_and_leaves_none_behind(tmp_path)
     assert _writer_processes() == []
 
 
-@pytest.mark.parametrize(("samples", "setting"), [(64, False), (56, "auto")])
+@pytest.mark.parametrize(("samples", "setting"), [(64, False), (64, None), (56, "auto")])
 def test_no_process_starts_when_turned_off_or_for_a_run_of_few_saves(tmp_path, samples, setting):
-    """Planted fault: a run planned to write 14 checkpoints (fewer than WRITER_PROCESS_MIN_SAVES) starts one too."""
-    t, seen = _fit(tmp_path / "run", samples, checkpoint_process=setting)
+    """Off by default (None: not set). Planted fault: with auto, a run planned to write 14 checkpoints (fewer than
+    WRITER_PROCESS_MIN_SAVES) starts one too."""
+    t, seen = _fit(tmp_path / "run", samples, **({} if setting is None else {"checkpoint_process": setting}))
     assert t.cfg.trainer.checkpoint_process is False and seen.pids == [None, None]
     assert "checkpoint_process" not in t.fast.describe()
     assert load_checkpoint(tmp_path / "run" / "checkpoints" / "last.pt")["state"]["global_step"] == samples // 4

@@ -25,7 +25,11 @@ def test_auto_turns_the_options_on_for_cuda_and_leaves_a_cpu_run_as_it_was():
     cfg = RunConfig()
     # On a CPU, auto changes only where host memory comes from (never a computed value): see the fault test below.
     assert glibc()  # the machines this suite runs on (Linux); elsewhere auto leaves the allocator alone
-    assert resolve(cfg, torch.device("cpu")) == FastPath(reuse_host_memory=True, checkpoint_process=True)
+    assert resolve(cfg, torch.device("cpu")) == FastPath(reuse_host_memory=True)
+    for asked in ("auto", True):  # the writer process: asked for; on a CPU alone (a GPU's snapshot is pinned memory)
+        cfg_asked = load_config(None, [f"trainer.checkpoint_process={str(asked).lower()}"])
+        assert resolve(cfg_asked, torch.device("cpu")) == FastPath(reuse_host_memory=True, checkpoint_process=True)
+        assert not resolve(cfg_asked, torch.device("cuda", 0)).checkpoint_process
     assert resolve(cfg, torch.device("cuda", 0)) == FastPath(channels_last=True, fused_optimizer=True,
                                                              cudnn_benchmark=True, reuse_host_memory=True)
     # Detection batches images of different sizes inside the model: neither layout nor autotuner is chosen for it.
@@ -88,7 +92,7 @@ def test_reusing_host_memory_is_refused_where_the_c_library_is_not_glibc(monkeyp
     with pytest.raises(ValueError, match=r"trainer\.reuse_host_memory=true .* not glibc; set "
                                          r"trainer\.reuse_host_memory=auto or false"):
         resolve(load_config(None, ["trainer.reuse_host_memory=true"]), torch.device("cpu"))
-    alone = FastPath(checkpoint_process=True)  # who writes checkpoints does not touch the allocator
+    alone = FastPath()
     assert resolve(RunConfig(), torch.device("cpu")) == alone  # auto: off, so the run is the plain path
     assert resolve(RunConfig(), torch.device("cuda", 0)).reuse_host_memory is False
     assert resolve(load_config(None, ["trainer.reuse_host_memory=false"]), torch.device("cpu")) == alone
