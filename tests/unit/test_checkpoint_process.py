@@ -23,7 +23,6 @@ import random
 import shutil
 import signal
 import time
-from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -34,12 +33,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import TensorDataset
 
+from checkpoint_helpers import HeldSave, assert_same_state
 from gputrain import Trainer, fast_path
 from gputrain.checkpoint import CheckpointStore, load_checkpoint, remove_stale_temporaries, verify
 from gputrain.checkpoint_io import PAUSE_ENV
 from gputrain.checkpoint_writer import CheckpointWriteError, CheckpointWriter
 from gputrain.hooks.base import Hook
-from held_save import HeldSave
 
 _FORK = mp.get_context("fork")
 
@@ -63,30 +62,6 @@ def _state(step: int) -> dict[str, Any]:
         "rng": {"0": {"torch": torch.get_rng_state(), "python": random.getstate()}},
         "state": {"global_step": step, "epoch": 0},
     }
-
-
-def _leaves(obj: Any, path: str = "") -> Iterator[tuple[str, Any]]:
-    if isinstance(obj, dict):
-        for key in sorted(obj, key=str):
-            yield from _leaves(obj[key], f"{path}[{key!r}]")
-    elif isinstance(obj, (list, tuple)):
-        for i, item in enumerate(obj):
-            yield from _leaves(item, f"{path}[{i}]")
-    else:
-        yield path, obj
-
-
-def _assert_same(a: Any, b: Any, *, strides: bool = False) -> None:
-    left, right = dict(_leaves(a)), dict(_leaves(b))
-    assert left.keys() == right.keys()
-    for key, value in left.items():
-        if isinstance(value, torch.Tensor):
-            other = right[key]
-            assert (value.dtype, value.shape) == (other.dtype, other.shape), key
-            assert not strides or value.stride() == other.stride(), key
-            assert torch.equal(value, other), key
-        else:
-            assert value == right[key], key
 
 
 def _writer_processes() -> list[int]:
@@ -123,8 +98,8 @@ def test_the_process_writes_what_the_thread_writes(tmp_path):
         writer.wait()
     assert by_process.process_writes == 1 and by_thread.process_writes == 0
     written = load_checkpoint(tmp_path / "process" / "step_000003.pt")
-    _assert_same(written, load_checkpoint(tmp_path / "thread" / "step_000003.pt"), strides=True)
-    _assert_same(written, state)
+    assert_same_state(written, load_checkpoint(tmp_path / "thread" / "step_000003.pt"), strides=True)
+    assert_same_state(written, state)
     model = written["model"]
     assert model["tied"].untyped_storage().data_ptr() == model["w"].untyped_storage().data_ptr()  # still one tensor
     assert model["every_other"].untyped_storage().data_ptr() != model["w"].untyped_storage().data_ptr()
@@ -162,7 +137,7 @@ def test_two_saves_of_one_layout_reuse_the_shared_memory_views_included(tmp_path
     writer.save(_state(2), name="step_000002")
     writer.wait()
     assert writer._memory is memory and all(a is b for a, b in zip(writer._buffers, buffers, strict=True))
-    _assert_same(load_checkpoint(tmp_path / "step_000002.pt"), _state(2))
+    assert_same_state(load_checkpoint(tmp_path / "step_000002.pt"), _state(2))
     writer.close()
 
 
@@ -205,7 +180,7 @@ def test_a_writer_process_that_fails_to_start_says_why_in_the_warning(tmp_path, 
     writer.save(_state(1), name="step_000001")
     writer.wait()
     assert writer.process_writes == 0 and writer._process is None
-    _assert_same(load_checkpoint(tmp_path / "step_000001.pt"), _state(1))
+    assert_same_state(load_checkpoint(tmp_path / "step_000001.pt"), _state(1))
     warning = capsys.readouterr().err
     assert "(exit code 3;" in warning and "it said: ImportError: no torch here" in warning
     assert "trainer.checkpoint_process=false" in warning
@@ -270,7 +245,7 @@ def test_a_writer_process_killed_while_idle_leaves_the_saves_to_the_thread(tmp_p
         writer.save(_state(step), name=f"step_{step:06d}")
         writer.wait()
     assert writer.process_writes == 1 and writer._process is None
-    _assert_same(load_checkpoint(tmp_path / "step_000003.pt"), _state(3))
+    assert_same_state(load_checkpoint(tmp_path / "step_000003.pt"), _state(3))
     warnings = [line for line in capsys.readouterr().err.splitlines() if "writer process" in line]
     assert len(warnings) == 1 and "killed by SIGKILL" in warnings[0] and "written by a thread" in warnings[0]
     assert _writer_processes() == []
@@ -290,7 +265,7 @@ def test_a_writer_process_killed_inside_a_write_leaves_that_save_to_the_thread(t
     held.release()
     writer.wait()
     assert writer.process_writes == 0
-    _assert_same(load_checkpoint(tmp_path / "checkpoints" / "step_000001.pt"), _state(1))
+    assert_same_state(load_checkpoint(tmp_path / "checkpoints" / "step_000001.pt"), _state(1))
     assert "killed by SIGKILL" in capsys.readouterr().err
     # The killed write's part is a hidden temporary, which the next run's start removes.
     assert [p.name.split(".")[1] for p in remove_stale_temporaries(tmp_path / "checkpoints")] == ["step_000001"]
@@ -307,7 +282,7 @@ def test_the_writer_process_finishes_its_save_through_a_stop_signal(tmp_path, mo
     held.release()
     writer.wait()
     assert writer.process_writes == 1 and writer.process_ready()
-    _assert_same(load_checkpoint(tmp_path / "checkpoints" / "step_000001.pt"), _state(1))
+    assert_same_state(load_checkpoint(tmp_path / "checkpoints" / "step_000001.pt"), _state(1))
     writer.close()
 
 

@@ -27,7 +27,6 @@ import re
 import shutil
 import signal
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,13 +36,13 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import TensorDataset
 
+from checkpoint_helpers import HeldSave, assert_same_state
 from gputrain import Trainer
 from gputrain.checkpoint import CheckpointStore, load_checkpoint
 from gputrain.checkpoint_io import PAUSE_ENV, read_manifest
 from gputrain.checkpoint_writer import CheckpointWriteError, CheckpointWriter
 from gputrain.config import OptimConfig, RunConfig
 from gputrain.hooks.base import Hook
-from held_save import HeldSave
 
 
 def _fit(out: Path, model: nn.Module | None = None, **trainer: Any) -> Trainer:
@@ -59,27 +58,6 @@ def _fit(out: Path, model: nn.Module | None = None, **trainer: Any) -> Trainer:
     return t
 
 
-def _leaves(obj: Any, path: str = "") -> Iterator[tuple[str, Any]]:
-    if isinstance(obj, dict):
-        for key in sorted(obj, key=str):
-            yield from _leaves(obj[key], f"{path}[{key!r}]")
-    elif isinstance(obj, (list, tuple)):
-        for i, item in enumerate(obj):
-            yield from _leaves(item, f"{path}[{i}]")
-    else:
-        yield path, obj
-
-
-def _assert_same_state(a: dict[str, Any], b: dict[str, Any]) -> None:
-    left, right = dict(_leaves(a)), dict(_leaves(b))
-    assert left.keys() == right.keys()
-    for key, value in left.items():
-        if isinstance(value, torch.Tensor):
-            assert torch.equal(value, right[key]) and value.dtype == right[key].dtype, key
-        else:
-            assert value == right[key], key
-
-
 def test_async_and_sync_checkpoints_load_to_the_same_state(tmp_path):
     fast = _fit(tmp_path / "async", async_checkpoint=True)
     slow = _fit(tmp_path / "sync", async_checkpoint=False)
@@ -92,7 +70,7 @@ def test_async_and_sync_checkpoints_load_to_the_same_state(tmp_path):
         a = load_checkpoint(tmp_path / "async" / "checkpoints" / name)
         b = load_checkpoint(tmp_path / "sync" / "checkpoints" / name)
         config_a, config_b = a.pop("config"), b.pop("config")
-        _assert_same_state(a, b)
+        assert_same_state(a, b)
         for config in (config_a, config_b):  # the only differences: where, and which way, it was written
             for key in ("out", "async_checkpoint", "checkpoint_process"):
                 config["trainer"].pop(key)
@@ -244,8 +222,8 @@ def test_the_optimizer_step_waits_for_the_thread_to_copy_the_weights(tmp_path, m
     for name in names:
         a = load_checkpoint(tmp_path / "async" / "checkpoints" / name)
         b = load_checkpoint(tmp_path / "sync" / "checkpoints" / name)
-        _assert_same_state(a["model"], b["model"])
-        _assert_same_state(a["optimizer"], b["optimizer"])
+        assert_same_state(a["model"], b["model"])
+        assert_same_state(a["optimizer"], b["optimizer"])
     assert slow.state.global_step == fast.state.global_step
 
 
