@@ -166,7 +166,7 @@ def check_combinations(cfg: RunConfig) -> None:
                         ("data.normalize_on_device", cfg.data.normalize_on_device),
                         ("trainer.checkpoint_process", t.checkpoint_process)):
         if isinstance(value, str) and value != "auto":
-            raise ValueError(f"{name}={value!r} must be auto, true or false")
+            raise ValueError(f"{name}={value!r} must be auto, true or false (from Python: 'auto', True or False)")
     from gputrain.fast_path import COMPILE_MODES
 
     if cfg.data.decode_on_device and (cfg.task != "classification" or cfg.data.format != "classfolder"):

@@ -117,6 +117,8 @@ def test_the_segmentation_recipe_trains_in_mixed_precision_wherever_a_gpu_runs_i
     ("trainer.channels_last=maybe", "trainer.channels_last='maybe' must be auto, true or false"),
     ("optim.fused=sometimes", "optim.fused='sometimes' must be auto, true or false"),
     ("trainer.reuse_host_memory=maybe", "trainer.reuse_host_memory='maybe' must be auto, true or false"),
+    ("trainer.checkpoint_process=maybe",
+     "trainer.checkpoint_process='maybe' must be auto, true or false (from Python: 'auto', True or False)"),
     ("trainer.compile_mode=fastest", "trainer.compile_mode='fastest' is unknown; choose default, reduce-overhead"),
 ])
 def test_a_bad_option_value_is_one_line_naming_the_field(override, message):
