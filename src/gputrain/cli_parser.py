@@ -188,7 +188,7 @@ def build_parser(description: str, epilog: str, version: str, eval_hidden: Seque
     tput.add_argument("--epochs", type=int, default=3, help="epochs per run; the first is not timed")
     tput.add_argument("--json", default=None, help="also write the result to this JSON file")
     add_common_flags(tput)
-    tput.add_argument("--out", default=None, help="folder for the two runs (default: a new runs/scale-DATE-TIME)")
+    tput.add_argument("--out", default=None, help="folder for the two runs (default: a new runs/throughput-DATE-TIME)")
     tput.add_argument("--overwrite", action="store_true", help="replace the contents of a non-empty --out")
     tput.set_defaults(func=handlers["bench throughput"])
 

@@ -184,6 +184,55 @@ def check_combinations(cfg: RunConfig) -> None:
         raise ValueError(f"launch.node_rank={launch.node_rank} must be in [0, launch.nnodes={launch.nnodes})")
     if t.overwrite and t.resume == "auto":
         raise ValueError("trainer.overwrite=true would delete the run that trainer.resume=auto continues; choose one")
+    check_split_options(cfg)
+
+
+SPLIT_STRATEGIES = ("model_parallel", "pipeline")
+
+
+def check_split_options(cfg: RunConfig, stages: int | None = None, strategy: str = "") -> None:
+    """The ``parallel.*`` options of model_parallel and pipeline, checked before any process starts.
+
+    ``stages``: the pipeline's process count when known (a rank passes its world size); before the launch it is
+    ``trainer.devices x launch.nnodes`` (one stage per process), and model_parallel's comes from its own options.
+    The strategy checks the same function again in each rank with what it resolved (``mixed`` precision, say),
+    naming itself (``strategy``).
+    """
+    t, p = cfg.trainer, cfg.parallel
+    strategy = strategy or t.strategy
+    if strategy not in SPLIT_STRATEGIES:
+        return
+    if p.partition not in ("measured", "params"):
+        raise ValueError(f"parallel.partition={p.partition!r} is unknown; choose measured or params")
+    if p.schedule not in ("gpipe", "1f1b"):
+        raise ValueError(f"parallel.schedule={p.schedule!r} is unknown; choose gpipe or 1f1b")
+    if strategy == "pipeline":
+        stages = stages or t.devices * cfg.launch.nnodes
+        if str(t.precision) in ("16-mixed", "fp16-mixed"):
+            # Named both ways: `mixed` resolves to 16-mixed on a GPU without native bfloat16 before a rank checks.
+            raise ValueError("strategy pipeline does not support trainer.precision=16-mixed, which `mixed` also means "
+                             "on a GPU without bfloat16 (the loss scaler would skip steps on some stages only); use "
+                             "bf16-mixed on a GPU that has it, or 32")
+        if t.sync_batchnorm and stages > 1:
+            raise ValueError("trainer.sync_batchnorm=true does not apply to strategy pipeline: each stage holds "
+                             "different layers and every stage sees the whole batch; set it to false")
+        if p.schedule == "1f1b" and p.micro_batches < stages:
+            raise ValueError(f"parallel.schedule=1f1b needs parallel.micro_batches >= the {stages} stages; got "
+                             f"{p.micro_batches}: add parallel.micro_batches={stages} (or use parallel.schedule=gpipe)")
+    else:
+        stages = stages or len(p.stage_devices) or p.stages
+    one_process_pipeline = strategy == "pipeline" and stages == 1  # runs the plain model: split points unused
+    if p.split_points and not one_process_pipeline and len(p.split_points) != stages - 1:
+        raise ValueError(f"parallel.split_points has {len(p.split_points)} names for {stages} stages; give "
+                         f"{stages - 1} (the blocks that start stages 2..{stages})")
+    check_micro_batches(t.batch_size, p.micro_batches)
+
+
+def check_micro_batches(batch_size: int, micro_batches: int) -> None:
+    """Each step's batch must give every micro-batch at least one sample."""
+    if batch_size < micro_batches:
+        raise ValueError(f"trainer.batch_size={batch_size} is smaller than parallel.micro_batches={micro_batches}; "
+                         "use a batch of at least one sample per micro-batch")
 
 
 def yaml_line(path: Path, dotted: str) -> int | None:

@@ -7,6 +7,7 @@ machinery (``torch.distributed.run``) or by SLURM; this module only joins them.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 from dataclasses import dataclass
@@ -126,6 +127,10 @@ def init_distributed(accelerator: str = "auto", timeout_s: float = 600.0) -> Dis
             timeout=timeout,
             device_id=device if kind == "cuda" else None,
         )
+        # gputrain made the group, so gputrain ends it: left to interpreter exit, gloo's threads may be torn down
+        # while running and abort the process ("terminate called without an active exception", SIGABRT), and
+        # torchrun or a scheduler then marks a job that trained as failed. atexit runs before that teardown.
+        atexit.register(teardown)
     return DistInfo(
         rank=dist.get_rank(), local_rank=layout["local_rank"], world_size=dist.get_world_size(), device=device
     )

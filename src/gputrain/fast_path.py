@@ -124,7 +124,7 @@ def resolve(cfg: RunConfig, device: torch.device, *, fixed_shapes: bool = True,
         channels_last=_auto(t.channels_last, cuda and fixed_shapes),
         compile_mode=t.compile_mode if t.compile else None,
         fused_optimizer=_auto(cfg.optim.fused, cuda),
-        cudnn_benchmark=_auto(t.cudnn_benchmark, cuda and fixed_shapes),
+        cudnn_benchmark=cuda and _auto(t.cudnn_benchmark, fixed_shapes),  # cuDNN's autotuner: nothing to do elsewhere
         reuse_host_memory=_auto(t.reuse_host_memory, glibc()),
         normalize_on_device=normalize_on_device,
         # true as auto: the process writes states held in host memory only (on a GPU the snapshot is pinned memory,

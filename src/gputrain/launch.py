@@ -286,6 +286,17 @@ def launch(fn: Callable[..., T], *args: Any, devices: int = 2, max_restarts: int
     return launch_all(fn, *args, devices=devices, max_restarts=max_restarts)[0]
 
 
+def _run_then_teardown(fn: Callable[..., T], *args: Any) -> T:
+    """A rank of :func:`launch_all`: ``fn(*args)``, then the end of any process group it joined (a gloo group left
+    to interpreter exit may abort the finished rank with SIGABRT, and the job would count as failed)."""
+    try:
+        return fn(*args)
+    finally:
+        from gputrain.dist import teardown
+
+        teardown()
+
+
 def launch_all(fn: Callable[..., T], *args: Any, devices: int = 2, max_restarts: int = 0) -> list[T]:
     """Run ``fn(*args)`` in ``devices`` processes on this node; return each rank's result, by rank.
 
@@ -319,7 +330,7 @@ def launch_all(fn: Callable[..., T], *args: Any, devices: int = 2, max_restarts:
     )
     with _launcher_scope():  # quiet agent, and the caller's signal handlers back afterwards
         try:
-            results = elastic_launch(config, fn)(*args)
+            results = elastic_launch(config, _run_then_teardown)(fn, *args)
         except ChildFailedError as err:
             raise WorkerFailed(err.name, err.failures, write_failure_log(logs / "failures.log", err.failures)) from None
     shutil.rmtree(logs, ignore_errors=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -36,11 +37,20 @@ from gputrain.resume import (
     resumed_line,
     save_checkpoint,
 )
-from gputrain.run_record import already_finished, describe_python_run, discard_untrained_run, write_summary
+from gputrain.run_record import (
+    already_finished,
+    describe_python_run,
+    discard_untrained_run,
+    training_options,
+    write_summary,
+)
 from gputrain.signals import StopRequest
 from gputrain.strategies import Strategy, build_strategy
 from gputrain.tasks.base import Task
 from gputrain.train_step import evaluate_batches, run_epoch
+
+CONFIG_HEADER = ("# The resolved config of the run in this folder (every `auto` as it was decided). Train it again\n"
+                 "# with `gputrain train RUN/config.yaml`: a new run folder, or --out DIR.\n")
 
 
 class Trainer:
@@ -72,6 +82,10 @@ class Trainer:
         self.checkpoint_writer: Any = None
         """Writes into ``checkpoints`` (:class:`~gputrain.checkpoint_writer.CheckpointWriter`); None when off."""
         self.hooks: list[Hook] = []
+        self.loss_window: Any = None
+        """The running epoch's :class:`~gputrain.loop_state.LossWindow` (None between epochs)."""
+        self.carried_loss: dict[str, float] | None = None
+        """The loss sums of a partly trained epoch, from the checkpoint this run resumed from."""
         self.first_step_s: float | None = None
         """Seconds of this process's first optimizer step (compilation included when ``trainer.compile``)."""
 
@@ -132,7 +146,7 @@ class Trainer:
                 self._fresh_out = None if t.resume else (out, out.exists())
                 if t.overwrite:
                     run_folder.clear_run_folder(out)
-                out.mkdir(parents=True, exist_ok=True)
+                run_folder.mark_run_folder(out)  # ours: a later --overwrite may clear what gputrain wrote here
                 if not t.out:
                     run_folder.point_latest(out)
             chosen = str(out)
@@ -191,7 +205,9 @@ class Trainer:
             from gputrain.nn.sync_batchnorm import convert_sync_batchnorm
 
             model = convert_sync_batchnorm(model, self.dist.device.type)
-        self.strategy.check_batch(t.batch_size)
+        self.strategy.check_batch(t.batch_size, model)
+        sizes = [(p.numel(), p.requires_grad) for p in model.parameters()]
+        self.frozen_share = sum(n for n, trains in sizes if not trains) / max(sum(n for n, _ in sizes), 1)
         self.module = self.strategy.setup_module(model)
         if self.fast.compile_mode:
             self.strategy.compile_module(self.module, self.fast.compile_mode)
@@ -278,9 +294,15 @@ class Trainer:
     def _announce(self) -> None:
         if self.dist.is_main:
             t = self.cfg.trainer
-            (self.out / "config.yaml").write_text(to_yaml(self.cfg))
+            # Where and how this run was started stays out: the file is a recipe for the next run (`gputrain train
+            # RUN/config.yaml`), which would otherwise be sent back into this folder and refused there.
+            where = dataclasses.replace(t, out="", resume="", overwrite=False)
+            (self.out / "config.yaml").write_text(CONFIG_HEADER + to_yaml(dataclasses.replace(self.cfg, trainer=where)))
+            writer = self.checkpoint_writer
+            checkpoints = "" if writer is None else "background" if writer.asynchronous else "synchronous"
             print(f"gputrain: {self.strategy.describe()} device={self.dist.device} precision={self.precision.name} "
-                  f"{self.fast.describe()} batch_size={t.batch_size}/process global_batch={self.global_batch}{self.lr_note} "
+                  f"{self.fast.describe()} {training_options(self.cfg, checkpoints=checkpoints, frozen_share=self.frozen_share)} "
+                  f"batch_size={t.batch_size}/process global_batch={self.global_batch}{self.lr_note} "
                   f"out={self.out}", flush=True)
 
     # -- the loop ------------------------------------------------------------------------
@@ -302,10 +324,14 @@ class Trainer:
             with StopRequest(self.dist.world_size) as self.stop:
                 try:
                     self._call("before_fit")
-                    return self._fit_epochs()
+                    summary = self._fit_epochs()
                 except BaseException as err:
                     self._call("on_exception", err)
                     raise
+                if self.stop.received and self.dist.is_main:  # after the last step: nothing was left to stop
+                    print(f"gputrain: {signal.Signals(self.stop.received).name} came after the last epoch had trained: "
+                          f"the run finished and is complete in {self.out}; nothing was lost", flush=True)
+                return summary
         except BaseException:
             self.discard_untrained_run()
             raise
@@ -328,7 +354,7 @@ class Trainer:
             self._call("before_epoch")
             metrics = self.train_epoch()
             train_time += metrics["time/train_s"]
-            train_samples += metrics["train/samples"]
+            train_samples += metrics["train/images_per_s"] * metrics["time/train_s"]  # trained by this run
             self.state.epoch += 1
             self.state.step_in_epoch = 0
             if self.val_loader is not None and self.state.epoch % max(t.eval_every_n_epochs, 1) == 0:

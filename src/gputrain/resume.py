@@ -81,6 +81,8 @@ def checkpoint_state(trainer: Trainer, sharded: str = "") -> dict[str, Any]:
         "precision": trainer.precision.state_dict(),
         "state": dataclasses.asdict(trainer.state),
         "rng": {str(rank): state for rank, state in enumerate(gathered)} if gathered else {},
+        # The epoch's loss sums so far (a collective): a resumed epoch logs the uninterrupted run's train/loss.
+        "loss_window": trainer.loss_window.carry() if trainer.loss_window is not None else {},
         "world_size": trainer.dist.world_size,
         "global_batch": trainer.global_batch,
         "config": trainer.config_dict,
@@ -184,8 +186,11 @@ def _choose(trainer: Trainer, where: str) -> str:
     choice = ""
     if trainer.dist.is_main:
         if where == "auto":
-            found = checkpoint_store(trainer).resume_path()
+            store = checkpoint_store(trainer)
+            found = store.resume_path()
             choice = str(found) if found else ""
+            if not found:  # a mistyped --out in a requeue script must not retrain from zero unnoticed
+                print(f"gputrain: --resume auto found no checkpoint in {store.folder}; a new run starts", flush=True)
         else:
             choice = where
     return str(trainer.strategy.broadcast_object(choice))
@@ -250,6 +255,7 @@ def apply_resume_state(trainer: Trainer, state: dict[str, Any]) -> None:
     trainer.precision.load_state_dict(state.get("precision", {}))
     known = {f.name for f in dataclasses.fields(TrainState)}
     trainer.state = TrainState(**{k: v for k, v in state["state"].items() if k in known})
+    trainer.carried_loss = state.get("loss_window") or None
     rng = state.get("rng", {})
     if state.get("world_size") == trainer.dist.world_size and str(trainer.dist.rank) in rng:
         set_rng_state(rng[str(trainer.dist.rank)])  # dropout continues its stream only on the same layout

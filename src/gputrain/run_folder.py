@@ -10,6 +10,7 @@ them in the launcher, before any worker starts, and the Trainer on rank 0 for Py
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import re
 import shutil
@@ -17,11 +18,24 @@ import uuid
 from datetime import datetime
 from pathlib import Path
 
+MANIFEST = "manifest.json"
+"""A checkpoint folder's manifest (:mod:`gputrain.checkpoint_io`, named here without importing torch)."""
+TEMPORARY = re.compile(r"^\..+\.[A-Za-z0-9_]+\.tmp$")
+"""A checkpoint's temporary, as :data:`gputrain.checkpoint_io.TEMPORARY` names them."""
+
 LATEST = "latest"
 """Name of the symlink, beside the dated folders, that points to the newest one."""
 
-RUN_MARKERS = ("config.yaml", "metrics.jsonl", "summary.json", "checkpoints", "eval.json", "scale.json")
-"""Entries that mark a folder as gputrain's output; only such folders are cleared by ``--overwrite``."""
+RUN_MARKER = ".gputrain"
+"""Written into every folder gputrain creates for a run (and a benchmark's runs): what ``--overwrite`` looks for."""
+
+OWNED_FILES = frozenset({RUN_MARKER, "config.yaml", "metrics.jsonl", "metrics.csv", "summary.json", "eval.json",
+                         "predictions.json", "curves.png", "samples.png", "scale.json", "scale.md", "scale.png",
+                         "throughput.json"})
+"""The files gputrain writes at the top of a run folder (and of ``bench`` folders)."""
+OWNED_TREES = frozenset({"tensorboard", "wandb", "splits"})
+"""Folders gputrain, or a logger it runs, fills whole: everything inside is theirs."""
+CHECKPOINTS = "checkpoints"
 
 
 def _slug(name: str) -> str:
@@ -82,19 +96,85 @@ def check_run_folder(path: str | Path, *, resume: str, overwrite: bool) -> None:
 
 
 def _check_clearable(path: Path) -> None:
-    """Refuse to clear anything but a gputrain output folder (``--out . --overwrite`` must not wipe a project)."""
+    """Refuse to clear anything but a folder that holds gputrain's files and nothing else.
+
+    ``--overwrite`` removes only what gputrain wrote: a folder holding one file of anyone else (a project's
+    ``train.py``, another tool's checkpoint) is refused, naming that file, and nothing is removed.
+    """
     resolved = path.resolve()
     cwd = Path.cwd().resolve()
     if resolved == Path(resolved.anchor) or resolved == Path.home().resolve() or cwd.is_relative_to(resolved):
         raise ValueError(f"--overwrite will not clear {path}: it is the working folder, one above it, the home "
                          "folder or the root; choose a run folder for --out")
-    if not any((path / marker).exists() for marker in RUN_MARKERS):
-        raise ValueError(f"--overwrite will not clear {path}: it holds no gputrain run ({', '.join(RUN_MARKERS[:4])}); "
-                         "choose another --out, or empty the folder yourself")
+    if not (path / RUN_MARKER).is_file() and not (path / CHECKPOINTS / MANIFEST).is_file():
+        raise ValueError(f"--overwrite will not clear {path}: it holds no gputrain run (no {RUN_MARKER} or "
+                         f"{CHECKPOINTS}/{MANIFEST}); choose another --out, or empty the folder yourself")
+    foreign = foreign_file(path)
+    if foreign is not None:
+        raise ValueError(f"--overwrite will not clear {path}: {foreign} was not written by gputrain; move it out "
+                         "of the folder (or empty the folder yourself), or choose another --out")
+
+
+def foreign_file(run: Path) -> Path | None:
+    """The first file or folder under ``run`` that gputrain did not write (None when every entry is its own)."""
+    for entry in sorted(run.iterdir()):
+        name = entry.name
+        if entry.is_symlink() or not (entry.is_file() or entry.is_dir()):
+            return entry
+        if entry.is_file() and name in OWNED_FILES or entry.is_dir() and name in OWNED_TREES:
+            continue
+        if entry.is_dir() and name == CHECKPOINTS:
+            found = _foreign_checkpoint(entry)
+        elif entry.is_dir() and (name == "eval" or (entry / RUN_MARKER).is_file()):  # eval/, a benchmark's runs
+            found = foreign_file(entry)
+        else:
+            found = _first_file(entry)
+        if found is not None:
+            return found
+    return None
+
+
+def _first_file(entry: Path) -> Path:
+    """A file inside a foreign folder (the first by name), to name in the refusal; the folder when it is empty."""
+    if entry.is_dir() and not entry.is_symlink():
+        inside = sorted(p for p in entry.rglob("*") if not p.is_dir())
+        return inside[0] if inside else entry
+    return entry
+
+
+def _foreign_checkpoint(folder: Path) -> Path | None:
+    """The first entry of a checkpoint folder that its manifest does not account for."""
+    try:
+        manifest = json.loads((folder / MANIFEST).read_text())
+        listed = {*manifest.get("files", {}), *manifest.get("pending", {}), *manifest.get("retire", [])}
+    except (OSError, ValueError, AttributeError, TypeError):  # none, or damaged: it accounts for nothing
+        listed = set()
+    for entry in sorted(folder.iterdir()):
+        if entry.is_symlink():
+            return entry
+        if entry.is_file() and (entry.name == MANIFEST or entry.name in listed or TEMPORARY.match(entry.name)):
+            continue
+        if entry.is_dir() and entry.suffix == ".dcp":  # a sharded checkpoint: torch.distributed.checkpoint's files
+            odd = [f for f in sorted(entry.iterdir()) if not (f.is_file() and (f.name == ".metadata"
+                                                                              or f.suffix == ".distcp"))]
+            if odd:
+                return _first_file(odd[0])
+            continue
+        return _first_file(entry)
+    return None
+
+
+def mark_run_folder(path: str | Path) -> None:
+    """Write the run marker into ``path`` (created if needed), so a later ``--overwrite`` knows the folder is ours."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    marker = path / RUN_MARKER
+    if not marker.exists():
+        marker.write_text("This folder was written by gputrain; `--overwrite` removes only gputrain's files.\n")
 
 
 def clear_run_folder(path: str | Path) -> None:
-    """Delete everything inside ``path`` (a gputrain run folder), keeping the folder itself.
+    """Delete everything inside ``path`` (a gputrain run folder holding only gputrain's files), keeping the folder.
 
     The folder stays so that a ``runs/latest`` link to it, or a shell sitting in it, stays valid.
     """

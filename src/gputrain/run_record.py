@@ -30,6 +30,31 @@ def describe_python_run(cfg: RunConfig, model: nn.Module) -> RunConfig:
                                data=dataclasses.replace(cfg.data, root=""))
 
 
+def training_options(cfg: RunConfig, *, checkpoints: str, frozen_share: float = 0.0) -> str:
+    """The start-up line's words for what else changes what or how the run trains: only what is on.
+
+    ``checkpoints``: how checkpoints are written (``background`` or ``synchronous``; empty when off);
+    ``frozen_share``: the share of the model's parameters that do not train.
+    """
+    from gputrain.data.synthetic import SYNTHETIC_SAMPLES
+
+    d, m, t = cfg.data, cfg.model, cfg.trainer
+    words = [f"workers={d.num_workers}"]
+    if d.synthetic:
+        words.append(f"data=synthetic(the first {SYNTHETIC_SAMPLES} samples repeated)")
+    if frozen_share:
+        words.append(f"frozen={','.join(m.freeze) or 'parameters'}({frozen_share:.0%} of the parameters)")
+    flags = (("decode_on_device", d.decode_on_device), ("frozen_batchnorm", m.frozen_batchnorm),
+             ("sync_batchnorm", t.sync_batchnorm), ("drop_last", t.drop_last))
+    words += [name for name, on in flags if on]
+    values = (("weights", m.weights),
+              ("accumulate", t.accumulate_grad_batches if t.accumulate_grad_batches > 1 else 0),
+              ("grad_clip_norm", t.grad_clip_norm), ("max_steps_per_epoch", t.max_steps_per_epoch),
+              ("checkpoints", checkpoints))
+    words += [f"{name}={value}" for name, value in values if value]
+    return " ".join(words)
+
+
 def discard_untrained_run(out: Path, existed: bool) -> None:
     """Remove what a fresh run wrote into ``out`` (which was empty, or cleared by --overwrite, when it began)."""
     for path in (list(out.iterdir()) if existed and out.is_dir() else []):

@@ -55,11 +55,12 @@ def run_epoch(trainer: Trainer) -> dict[str, float]:
     join_empty = strategy.has_forward_collectives(module)
     # The loss sum stays on the device and costs one kernel per micro-batch (no host sync); it is
     # all-reduced into host totals only on logging steps and at the end of the epoch.
-    window = LossWindow(strategy)
+    # A resumed epoch continues the loss sums its checkpoint carried, so it logs what the uninterrupted run logs.
+    window = LossWindow(strategy, trainer.carried_loss if state.step_in_epoch else None)
+    trainer.carried_loss, trainer.loss_window = None, window
     batches = iter(trainer.train_loader)
     last_inputs: Any = None
-    start = time.perf_counter()
-    steps_done = 0
+    start = logged_at = time.perf_counter()
     for k in range(state.step_in_epoch, trainer.steps_per_epoch):
         step_start = time.perf_counter()
         micro_batches = plan.micro_batches(k)
@@ -94,28 +95,32 @@ def run_epoch(trainer: Trainer) -> dict[str, float]:
         optimizer_step(trainer)
         if trainer.first_step_s is None:  # with trainer.compile, the compile time is in here
             trainer.first_step_s = time.perf_counter() - step_start
-        steps_done += 1
         state.samples_seen += n_step
         state.step_in_epoch = k + 1
         logs = None
         if t.log_every_n_steps and state.global_step % t.log_every_n_steps == 0:
-            logs = {"train/loss": window.flush(), "lr": trainer.optimizer.param_groups[0]["lr"]}
+            mean_loss, now = window.flush(), time.perf_counter()
+            logs = {"train/loss": mean_loss, "lr": trainer.optimizer.param_groups[0]["lr"],
+                    "train/images_per_s": window.flushed_samples / (now - logged_at) if now > logged_at else 0.0}
+            logged_at = now
             if not math.isfinite(logs["train/loss"]):  # all-reduced, so every rank agrees
                 raise_non_finite(trainer, "the training loss")
         trainer._call("after_step", logs)
         trainer.after_optimizer_step()
     window.flush()
+    trainer.loss_window = None  # the epoch is over: a checkpoint from here on carries no partial sums
     train_s = time.perf_counter() - start
     epoch_loss = window.epoch_loss_sum / max(window.epoch_samples, 1)
+    trained_here = window.epoch_samples - window.carried_samples  # for throughput: not the samples before a resume
     # Always, whatever the checkpoint settings: a diverged run ends here with a clear error.
     if not math.isfinite(epoch_loss) or not all_finite(trainer):
         raise_non_finite(trainer, "the training loss" if not math.isfinite(epoch_loss) else "the weights")
     return {
         "train/loss": epoch_loss,
         "train/samples": window.epoch_samples,
-        "train/steps": steps_done,
+        "train/steps": state.step_in_epoch,
         "time/train_s": train_s,
-        "train/images_per_s": window.epoch_samples / train_s if train_s > 0 else 0.0,
+        "train/images_per_s": trained_here / train_s if train_s > 0 else 0.0,
     }
 
 

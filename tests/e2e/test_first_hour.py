@@ -131,12 +131,46 @@ def test_1_overwrite_clears_the_old_run_first(trained, tmp_path, capsys, monkeyp
     monkeypatch.chdir(workdir)
     copy = tmp_path / "copy"
     subprocess.run(["cp", "-r", str(run), str(copy)], check=True)
-    (copy / "checkpoints" / "epoch_0099.pt").write_bytes(b"stale")
-    (copy / "model.onnx").write_bytes(b"stale")
+    (copy / "metrics.jsonl").write_text('{"stale": 1}\n')
     code, _, err = cli(capsys, "train", "autoencoder", *TINY, "--out", str(copy), "--overwrite")
     assert code == 0 and "Traceback" not in err
-    assert not (copy / "model.onnx").exists() and not (copy / "checkpoints" / "epoch_0099.pt").exists()
+    assert "stale" not in (copy / "metrics.jsonl").read_text()
     assert json.loads((copy / "summary.json").read_text())["epochs"] == 1
+
+
+def test_1_a_runs_config_yaml_trains_again_as_a_recipe_into_a_new_folder(trained, capsys, monkeypatch, workdir):
+    """issue 28 item 10: config.yaml carried trainer.out, so `gputrain train RUN/config.yaml` was sent back into the
+    old run and refused. Planted fault: config.yaml written with where the run was started."""
+    run, _ = trained
+    monkeypatch.chdir(workdir)
+    saved = (run / "config.yaml").read_text()
+    assert saved.startswith("# The resolved config") and "out: ''" in saved and "resume: ''" in saved
+    code, out, err = cli(capsys, "train", str(run / "config.yaml"), "trainer.progress_bar=false")
+    assert code == 0, err
+    again = Path(re.search(r"out=(\S+)", out).group(1))
+    assert again.resolve() != run.resolve() and again.name.startswith("autoencoder-")
+    assert (again / "config.yaml").read_text() == saved  # the same config, trained again
+
+
+def test_1_overwrite_refuses_a_project_folder_and_removes_nothing(tmp_path, capsys, monkeypatch, workdir):
+    """mkdir -p p/checkpoints p/data; train.py, data/a.csv: --overwrite deleted them (issue 28 item 1)."""
+    monkeypatch.chdir(workdir)
+    project = tmp_path / "p"
+    (project / "checkpoints").mkdir(parents=True)
+    (project / "data").mkdir()
+    (project / "train.py").write_text("x\n")
+    (project / "data" / "a.csv").write_text("y\n")
+    (project / "checkpoints" / "other.ckpt").write_bytes(b"another tool's")
+    (project / "config.yaml").write_text("lr: 0.1\n")
+    before = listing(project)
+    code, _, err = cli(capsys, "train", "autoencoder", *TINY, "--out", str(project), "--overwrite")
+    assert code == 2 and "holds no gputrain run" in one_error_line(err)
+    (project / ".gputrain").write_text("")  # even marked as a run, it holds files gputrain never wrote
+    code, _, err = cli(capsys, "train", "autoencoder", *TINY, "--out", str(project), "--overwrite")
+    line = one_error_line(err)
+    assert code == 2 and "was not written by gputrain" in line and str(project / "checkpoints" / "other.ckpt") in line
+    (project / ".gputrain").unlink()
+    assert listing(project) == before
 
 
 # -- 2. eval and export from the checkpoint alone ----------------------------------------------------

@@ -111,3 +111,51 @@ def test_synthetic_training_serves_every_index_from_the_first_eight_real_samples
         served = torch.cat([x for x, _ in t.train_loader])  # one more epoch's batches, as the loop gets them
         assert len(served) == n and all(any(torch.equal(row, real) for real in data.x[:kept]) for row in served)
         assert {int(row[0]) // 4 for row in served} == set(range(kept))  # every kept sample is served
+
+
+def _records(windows_by_epoch: list[list[float]]) -> list[dict]:
+    """metrics.jsonl of a run: step records (one per window) then the epoch's record, epoch by epoch."""
+    records, step = [], 0
+    for epoch, windows in enumerate(windows_by_epoch, start=1):
+        for value in windows:
+            step += 5
+            records.append({"epoch": epoch - 1, "step": step, "train/loss": 1.0, "train/images_per_s": value})
+        records.append({"epoch": epoch, "step": step, "train/loss": 1.0, "time/train_s": 1.0,
+                        "train/images_per_s": sum(windows) / len(windows), "time/epoch_s": 1.0})
+    return records
+
+
+def test_throughput_is_the_median_of_the_windows_after_the_first_epoch():
+    """issue 28 item 6: with two timed epochs the "median" was the larger one. Planted faults: the first epoch's
+    windows are counted; the upper middle value stands for the median."""
+    from gputrain.tools.throughput import steady
+
+    records = _records([[1.0, 1.0, 1.0], [10.0, 20.0], [30.0, 40.0]])  # the first epoch (warm-up) is not timed
+    assert steady(records, "train/images_per_s") == (25.0, 4)
+    assert steady(_records([[4.0, 8.0]]), "train/images_per_s") == (6.0, 2)  # one epoch: nothing else to time
+
+
+def test_impossible_or_rough_figures_come_with_a_caution_saying_why(tmp_path):
+    from gputrain.tools.throughput import Throughput, cautions, table
+
+    result = Throughput(recipe="r", device="cpu", precision="32", batch_size=8, train_images_per_s=103.0,
+                        synthetic_train_images_per_s=10.0, input_bound_ratio=10.3, eval_images_per_s=None,
+                        flops_per_image=None, model_flops_utilisation=None, peak_memory_bytes=1, compile_s=None)
+    lines = cautions(result, (12, 3))
+    assert len(lines) == 2
+    assert lines[0].startswith("input-bound ratio 10.30 is above 1: real data ran faster than samples already on "
+                               "the device") and "busy" in lines[0]
+    assert lines[1].startswith("only synthetic 3 timed window(s) of 5 steps after the first epoch")
+    assert "| input-bound ratio (real / synthetic) | 10.30 (!) |" in table(result)
+    result.input_bound_ratio = 0.49
+    assert cautions(result, (5, 5)) == [] and "| 0.49 |" in table(result)
+
+
+def test_bench_folders_are_named_for_their_benchmark(tmp_path, monkeypatch):
+    """Its runs landed in runs/scale-* (issue 28 item 6)."""
+    from gputrain.tools.scale import _out_folder
+
+    monkeypatch.chdir(tmp_path)
+    assert _out_folder(None, False, "throughput").parent.resolve() == tmp_path.resolve() / "runs"
+    assert _out_folder(None, False, "throughput").name.startswith("throughput-")
+    assert (_out_folder(None, False, "scale") / ".gputrain").is_file()  # marked: --overwrite may clear it later

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 import textwrap
 
@@ -93,3 +95,44 @@ def test_trainer_refuses_devices_without_a_launcher():
 
     with pytest.raises(ValueError, match="torchrun --nproc-per-node 2"):
         Trainer(strategy="ddp", devices=2, accelerator="cpu").fit(torch.nn.Linear(2, 2), [(torch.zeros(2), 0)])
+
+
+FINISHED_JOB = '''
+import atexit, os, sys
+import torch.distributed as dist
+
+OUT = sys.argv[1]
+
+
+def record():  # registered before gputrain exists: atexit runs it last, after gputrain's own exit handlers
+    with open(os.path.join(OUT, "rank" + os.environ["RANK"]), "w") as f:
+        f.write(str(dist.is_initialized()))
+
+
+atexit.register(record)
+
+import torch
+from gputrain import Trainer
+
+torch.set_num_threads(1)
+g = torch.Generator().manual_seed(0)
+data = [(x, x) for x in torch.randn(16, 4, generator=g)]
+Trainer(strategy="ddp", devices=2, accelerator="cpu", epochs=1, batch_size=4, out=os.path.join(OUT, "run"),
+        progress_bar=False, loggers=[], enable_checkpointing=False, pictures=0).fit(
+    torch.nn.Linear(4, 4), data, loss=torch.nn.functional.mse_loss)
+gathered = [None, None]
+dist.all_gather_object(gathered, float(os.environ["RANK"]))  # the user's own collective after fit
+assert gathered == [0.0, 1.0]
+'''
+
+
+def test_a_finished_python_api_job_ends_its_process_group_before_interpreter_exit(tmp_path):
+    """issue 28 item 12: gloo's threads left to interpreter exit aborted rank 1 (SIGABRT) after a job trained."""
+    script = tmp_path / "job.py"
+    script.write_text(FINISHED_JOB)
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                           str(script), str(tmp_path)], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    # gputrain made the group, so it was gone before the interpreter's teardown began, on every rank
+    assert [(tmp_path / f"rank{r}").read_text() for r in (0, 1)] == ["False", "False"]

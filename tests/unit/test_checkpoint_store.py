@@ -163,6 +163,24 @@ def test_bit_flip_that_torch_load_accepts_is_caught(tmp_path):
     assert store.latest_valid() == tmp_path / "last.pt"
 
 
+def test_a_damaged_copy_outside_its_run_folder_is_refused_by_its_own_crcs(tmp_path):
+    """issue 28 item 9: a flipped byte in a shared copy of last.pt loaded silently (no manifest beside it)."""
+    store = CheckpointStore(tmp_path / "run")
+    path = store.save(_state(1), name="step_000001")
+    data = bytearray(path.read_bytes())
+    data[data.find(torch.full((1,), 1.0).numpy().tobytes()) + 200] ^= 0x10  # inside the tensor's bytes
+    copy = tmp_path / "shared" / "last.pt"
+    copy.parent.mkdir()
+    copy.write_bytes(bytes(data))
+    assert (torch.load(copy, weights_only=True)["model"]["w"] != 1.0).sum() == 1  # torch alone would not notice
+    for load in (load_checkpoint, model_weights):
+        with pytest.raises(ValueError, match=f"checkpoint {copy} is damaged \\(zip CRC mismatch in record "):
+            load(copy)
+    legacy = tmp_path / "legacy.pt"  # torch's format before 1.6 has no CRCs: loaded as torch.load decides
+    torch.save({"w": torch.ones(3)}, legacy, _use_new_zipfile_serialization=False)
+    assert model_weights(legacy)["w"].sum() == 3
+
+
 def test_files_no_manifest_lists_load_unchecked_and_are_still_found(tmp_path, capsys):
     store = CheckpointStore(tmp_path / "run")
     store.save(_state(5), name="step_000005")

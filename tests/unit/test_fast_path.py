@@ -63,7 +63,8 @@ def test_the_resolved_config_replaces_every_auto_by_what_ran(on):
     # writer process alone is for a model on the CPU: a config written by a CPU run resolves it off on a GPU.
     assert resolve(cfg, torch.device("cuda", 0), normalize_on_device=on) == dataclasses.replace(
         fast, checkpoint_process=False)
-    assert resolve(cfg, torch.device("cpu"), normalize_on_device=on) == fast
+    # cuDNN's autotuner is for CUDA alone: a config written by a GPU run resolves it off on a CPU (issue 28 item 7).
+    assert resolve(cfg, torch.device("cpu"), normalize_on_device=on) == dataclasses.replace(fast, cudnn_benchmark=False)
 
 
 def test_cudnn_benchmark_is_switched_on_by_the_run_and_never_off():
@@ -218,17 +219,19 @@ def test_bench_throughput_reports_compile_time_as_the_first_step_over_a_steady_o
 def test_bench_throughput_times_the_epochs_after_the_first_and_a_single_epoch_as_it_is():
     """The first epoch pays for start-up, caches and compilation: a steady rate is the median of the later epochs.
     Planted fault: the first epoch counted too (with three epochs the median then moves to the slower one)."""
-    from gputrain.tools.throughput import _steady
+    from gputrain.tools.throughput import steady
 
     key = "train/images_per_s"
-    epochs = [{key: 5.0, "time/train_s": 9.0}, {key: 90.0, "time/train_s": 1.0}, {key: 100.0, "time/train_s": 0.9}]
-    assert _steady(epochs, key) == 100.0  # the upper median of 90 and 100; with the first epoch it would be 90
-    assert _steady(epochs[:2], key) == 90.0
-    assert _steady(epochs[:1], key) == 5.0  # one epoch alone is all there is
+    epochs = [{"step": 1, key: 5.0, "time/train_s": 9.0}, {"step": 2, key: 90.0, "time/train_s": 1.0},
+              {"step": 3, key: 100.0, "time/train_s": 0.9}]
+    assert steady(epochs, key) == (95.0, 2)  # the median of 90 and 100; with the first epoch it would be 90
+    assert steady(epochs[:2], key) == (90.0, 1)
+    assert steady(epochs[:1], key) == (5.0, 1)  # one epoch alone is all there is
     # Evaluation runs every n epochs: only the later epochs that have it count.
     val = "time/val_images_per_s"
-    assert _steady([{val: 1.0}, {}, {val: 300.0}, {}], val) == 300.0
-    assert _steady(epochs, val) is None
+    logged = [{"step": s, "time/train_s": 1.0} | ({val: v} if v else {}) for s, v in ((1, 1.0), (2, 0), (3, 300.0))]
+    assert steady(logged, val) == (300.0, 1)
+    assert steady(epochs, val) == (None, 0)
 
 
 def test_summary_names_the_options_that_ran_and_times_the_first_step(tmp_path):
@@ -264,3 +267,39 @@ def test_reusing_host_memory_serves_large_blocks_from_the_heap_instead_of_fresh_
         assert done.returncode == 0, done.stderr[-2000:]
         where[flag] = done.stdout.split()[-1]
     assert where == {"false": "mmap", "true": "heap"}
+
+
+def _start_line(tmp_path, capsys, freeze: bool = False, **trainer) -> str:
+    from torch.utils.data import TensorDataset
+
+    from gputrain import Trainer
+    from gputrain.config import DataConfig
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    if freeze:
+        model[0].requires_grad_(False)
+    x = torch.randn(16, 4, generator=torch.Generator().manual_seed(0))
+    cfg = RunConfig(data=DataConfig(synthetic=trainer.pop("synthetic", False), num_workers="auto"))
+    Trainer(cfg, strategy="single", accelerator="cpu", progress_bar=False, loggers=[], batch_size=8, epochs=1,
+            out=str(tmp_path), pictures=0, **trainer).fit(model, TensorDataset(x, x[:, :1]),
+                                                         loss=torch.nn.functional.mse_loss)
+    return next(line for line in capsys.readouterr().out.splitlines() if line.startswith("gputrain: strategy="))
+
+
+def test_the_start_up_line_names_what_changes_the_run_and_only_what_is_on(tmp_path, capsys):
+    """issue 28 item 7: synthetic data, the resolved worker count, frozen parameters and how checkpoints are written
+    were missing from the line, and cudnn_benchmark was claimed on a CPU. Planted faults: a word left out; cuDNN's
+    autotuner claimed where there is no CUDA."""
+    from gputrain.data.workers import resolve_num_workers, usable_cores
+
+    workers = resolve_num_workers("auto", cores=usable_cores(), local_processes=1)
+    line = _start_line(tmp_path / "a", capsys, freeze=True, synthetic=True, cudnn_benchmark=True,
+                       accumulate_grad_batches=2, async_checkpoint=False)
+    for word in (f"workers={workers}", "data=synthetic(the first 8 samples repeated)",
+                 "frozen=parameters(80% of the parameters)", "accumulate=2", "checkpoints=synchronous"):
+        assert f" {word} " in line, (word, line)
+    assert "cudnn_benchmark" not in line
+    plain = _start_line(tmp_path / "b", capsys, enable_checkpointing=False)
+    assert not any(word in plain for word in ("synthetic", "frozen", "accumulate", "checkpoints=", "decode_on_device",
+                                              "sync_batchnorm", "drop_last", "max_steps_per_epoch", "weights="))
+    assert " checkpoints=background " in _start_line(tmp_path / "c", capsys)

@@ -179,3 +179,39 @@ def test_a_correct_sequential_still_trains_after_the_check():
     module(torch.randn(4, 3, 8, 8)).sum().backward()
     optimizer.step()
     assert isinstance(module, SplitModel) and module.stages is not None and module.split == [4]
+
+
+def test_the_launcher_refuses_a_pipeline_its_ranks_would_refuse_before_any_starts():
+    """issue 28 item 5: the README's 1F1B command failed in rank 0 after ~8 s; config errors come before workers.
+    Planted fault: the strategy options are not part of the launcher's config checks."""
+    from gputrain.config import load_config
+
+    with pytest.raises(ValueError, match=r"parallel.schedule=1f1b needs parallel.micro_batches >= the 2 stages; got 1"):
+        load_config("autoencoder", ["trainer.strategy=pipeline", "trainer.devices=2", "parallel.schedule=1f1b"])
+    with pytest.raises(ValueError, match=r"needs parallel.micro_batches >= the 4 stages"):  # 2 nodes of 2
+        load_config("autoencoder", ["trainer.strategy=pipeline", "trainer.devices=2", "launch.nnodes=2",
+                                    "parallel.schedule=1f1b", "parallel.micro_batches=2"])
+    with pytest.raises(ValueError, match=r"trainer.batch_size=2 is smaller than parallel.micro_batches=4"):
+        load_config("resnet50-model-parallel", ["trainer.batch_size=2", "parallel.micro_batches=4"])
+    load_config("autoencoder", ["trainer.strategy=pipeline", "trainer.devices=2", "parallel.schedule=1f1b",
+                                "parallel.micro_batches=2"])
+    # One process evaluates a pipeline checkpoint as the plain model: its split points are not in the way.
+    load_config("autoencoder", ["trainer.strategy=pipeline", "trainer.devices=1", "parallel.split_points=[decoder]"])
+
+
+@pytest.mark.parametrize("batch, micro, sizes, fix", [(10, 4, "3+3+3+1", "parallel.micro_batches=3"),
+                                                      (4, 4, "1+1+1+1", "parallel.micro_batches=2"),
+                                                      (1, 1, "1", "a batch of at least 2")])
+def test_micro_batches_of_one_sample_under_batchnorm_are_refused_before_training(batch, micro, sizes, fix):
+    """issue 28 item 8: batch 10 in 4 micro-batches of 3+3+3+1 reached torch's "Expected more than 1 value per
+    channel when training". Planted fault: only the micro-batch count is checked, not the smallest micro-batch."""
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.Linear(4, 2))
+    strategy = _strategy(devices=["cpu", "cpu"], split=["2"], micro=micro, batch=batch)
+    with pytest.raises(ValueError) as err:
+        strategy.check_batch(batch, model)
+    assert str(err.value) == (
+        f"parallel.micro_batches={micro} cuts trainer.batch_size={batch} into micro-batches of {sizes} samples, and "
+        f"the model's BatchNorm (1 and 0 more) cannot train on a micro-batch of 1 sample; use {fix}")
+    strategy.check_batch(batch, _net())  # no BatchNorm: a sample per micro-batch is enough
+    model.eval()
+    strategy.check_batch(batch, model)  # BatchNorm that does not train (frozen): fine too

@@ -285,3 +285,54 @@ def test_augmentation_changes_from_epoch_to_epoch_and_repeats_within_one():
     assert torch.equal(samples[(0, 2)], samples[(0, 2)])  # the same sample in the same epoch: the same draw
     assert not torch.equal(samples[(0, 2)], samples[(1, 2)])  # the next epoch draws anew
     assert not torch.equal(samples[(0, 2)], samples[(0, 3)])
+
+
+def test_resume_auto_into_a_folder_without_checkpoints_says_a_new_run_starts(tmp_path, capsys):
+    """issue 28 item 4: a mistyped --out in a requeue script retrained from zero without a word."""
+    _fit(tmp_path / "typo", epochs=1, resume="auto")
+    out = capsys.readouterr().out.splitlines()
+    assert f"gputrain: --resume auto found no checkpoint in {tmp_path / 'typo' / 'checkpoints'}; a new run starts" in out
+    _fit(tmp_path / "typo", epochs=2, resume="auto")  # a folder with a checkpoint: no such line
+    assert "found no checkpoint" not in capsys.readouterr().out
+
+
+def _records(out: Path) -> tuple[dict[int, dict[str, Any]], dict[int, float]]:
+    """metrics.jsonl as (epoch -> its last epoch record, step -> its last logged train/loss)."""
+    import json
+
+    epochs, steps = {}, {}
+    for line in (out / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if "time/epoch_s" in record:
+            epochs[record["epoch"]] = record
+        elif "train/loss" in record:
+            steps[record["step"]] = record["train/loss"]
+    return epochs, steps
+
+
+@pytest.mark.parametrize("stop_after", [4, 2], ids=["on-the-epochs-last-step", "inside-a-log-window"])
+def test_a_resumed_epoch_logs_the_loss_and_samples_of_the_uninterrupted_run(tmp_path, stop_after):
+    """issue 28 item 3: a stop on an epoch's last step made the resumed run log train/loss=0 for that epoch (a dip
+    to 0 in curves.png); a stop inside a log window lost the window's first steps. Planted faults: the checkpoint
+    carries no loss sums; a resumed epoch starts its sums at 0."""
+    import signal
+
+    from gputrain.errors import Interrupted
+    from gputrain.hooks.base import Hook
+
+    class Stop(Hook):
+        def after_step(self, trainer, logs):
+            if trainer.state.global_step == stop_after:
+                trainer.stop.received = signal.SIGTERM  # as the handler records it
+
+    common = dict(n=16, batch_size=4, epochs=2, log_every_n_steps=3, loggers=["csv"])
+    _fit(tmp_path / "whole", **common)
+    with pytest.raises(Interrupted):
+        _fit(tmp_path / "stopped", hooks=[Stop()], **common)
+    _fit(tmp_path / "stopped", resume="auto", **common)
+    whole, resumed = _records(tmp_path / "whole"), _records(tmp_path / "stopped")
+    for epoch in (1, 2):
+        for key in ("train/loss", "train/samples", "train/steps", "val/loss"):
+            assert resumed[0][epoch][key] == whole[0][epoch][key], (epoch, key)
+    assert resumed[0][1]["train/samples"] == 16 and resumed[0][1]["train/loss"] > 0
+    assert resumed[1] == whole[1]  # every step's logged loss too

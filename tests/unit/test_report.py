@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 from PIL import Image
 
@@ -102,3 +103,20 @@ def test_report_command_redraws_a_recipe_run(tmp_path: Path, monkeypatch, capsys
     assert main(["report", "nothing-here"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "nothing-here has no metrics.jsonl" in err[0]
+
+
+@pytest.mark.parametrize("epochs", [[1], [1, 2], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]])
+def test_the_epoch_axis_has_whole_epochs_only(epochs) -> None:
+    """issue 28 item 10: a run of one epoch was drawn with ticks at 0.96, 0.98, 1.00, ... Planted fault: the integer
+    locator gives up (and falls back to fractions) when one whole number is in view."""
+    import matplotlib.pyplot as plt
+
+    from gputrain.tools.report import curves_figure
+
+    fig = curves_figure({"train/loss": (epochs, [1.0 / e for e in epochs]), "val/accuracy": (epochs, [0.5] * len(epochs))})
+    fig.canvas.draw()
+    for ax in fig.axes:
+        low, high = ax.get_xlim()
+        shown = [t for t in ax.get_xticks() if low <= t <= high]
+        assert shown and all(float(t).is_integer() for t in shown), shown
+    plt.close(fig)

@@ -45,9 +45,14 @@ NOON = datetime(2026, 11, 23, 14, 15, 2)
 
 
 def _a_run(folder: Path) -> Path:
+    """What a run leaves: its marker, config, metrics, and a checkpoint its manifest lists."""
     (folder / "checkpoints").mkdir(parents=True)
     (folder / "checkpoints" / "epoch_0001.pt").write_bytes(b"old")
+    entry = {"size": 3, "crc32": "00000000", "seq": 1}
+    (folder / "checkpoints" / "manifest.json").write_text(json.dumps({"seq": 1, "files": {"epoch_0001.pt": entry}}))
     (folder / "config.yaml").write_text("task: autoencoder\n")
+    (folder / "metrics.jsonl").write_text("{}\n")
+    (folder / ".gputrain").write_text("gputrain\n")
     return folder
 
 
@@ -103,6 +108,8 @@ def test_overwrite_clears_only_gputrain_run_folders(tmp_path, monkeypatch):
         clear_run_folder(project)
     assert (project / "train.py").is_file()
     _a_run(project / "inside")
+    (project / "inside" / "tensorboard").mkdir()  # a logger's folder: its contents are ours whatever they are
+    (project / "inside" / "tensorboard" / "events.out.tfevents.1").write_bytes(b"x")
     monkeypatch.chdir(project / "inside")
     with pytest.raises(ValueError, match="working folder"):
         check_run_folder(Path("."), resume="", overwrite=True)
@@ -134,6 +141,41 @@ def test_output_files_and_eval_folders(tmp_path):
     with pytest.raises(ValueError, match="already holds eval.json"):
         check_eval_folder(tmp_path, overwrite=False)
     assert eval_dir_for(tmp_path / "run" / "checkpoints" / "last.pt", "ae") == tmp_path / "run" / "eval"
+
+
+@pytest.mark.parametrize("foreign", ["train.py", "data/a.csv", "checkpoints/resnet.pt", "checkpoints/model.ckpt",
+                                     "checkpoints/step_000004.dcp/notes.txt", "eval/notes.md"])
+def test_overwrite_refuses_a_run_folder_holding_one_file_gputrain_did_not_write(tmp_path, foreign):
+    """issue 28 item 1: a project folder with checkpoints/ and config.yaml lost train.py and data/a.csv."""
+    run = _a_run(tmp_path / "p")
+    (run / "checkpoints" / "step_000004.dcp").mkdir()
+    (run / "checkpoints" / "step_000004.dcp" / ".metadata").write_bytes(b"m")
+    (run / "eval").mkdir()
+    (run / "eval" / "eval.json").write_text("{}")
+    (run / foreign).parent.mkdir(parents=True, exist_ok=True)
+    (run / foreign).write_text("mine")
+    before = sorted(p.relative_to(run) for p in run.rglob("*"))
+    for attempt in (lambda: check_run_folder(run, resume="", overwrite=True), lambda: clear_run_folder(run)):
+        with pytest.raises(ValueError) as err:
+            attempt()
+        assert str(run / foreign) in str(err.value) and "was not written by gputrain" in str(err.value)
+        assert "\n" not in str(err.value)
+    assert sorted(p.relative_to(run) for p in run.rglob("*")) == before  # nothing removed
+    (run / foreign).unlink()
+    if foreign.startswith("data/"):
+        (run / "data").rmdir()  # an empty folder of the user's is still theirs
+    clear_run_folder(run)  # without it, the folder is gputrain's alone
+    assert list(run.iterdir()) == []
+
+
+def test_a_folder_without_the_run_marker_or_a_manifest_is_not_a_run(tmp_path):
+    """config.yaml and checkpoints/ are common names: on their own they do not make a folder gputrain's."""
+    project = tmp_path / "p"
+    (project / "checkpoints").mkdir(parents=True)
+    (project / "config.yaml").write_text("lr: 0.1\n")
+    with pytest.raises(ValueError, match="holds no gputrain run"):
+        clear_run_folder(project)
+    assert (project / "config.yaml").is_file() and (project / "checkpoints").is_dir()
 
 
 # -- config validation and YAML errors --------------------------------------------------------

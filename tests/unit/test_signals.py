@@ -101,3 +101,16 @@ def test_fit_puts_back_the_signal_handlers_it_found_after_success_and_after_fail
     with pytest.raises(RuntimeError, match="a user hook failed"):
         _fit(tmp_path / "failed", enable_checkpointing=False, hooks=[Fail()])
     assert {sig: signal.getsignal(sig) for sig in SIGNALS} == dict.fromkeys(SIGNALS, _previous)
+
+
+def test_a_signal_after_the_last_epoch_says_the_run_finished(tmp_path, own_handlers, capsys):
+    """issue 28 item 10: Ctrl-C while the end of a run draws its pictures or waits for its last checkpoint left the
+    user guessing. Planted fault: the signal is noted and nothing said."""
+    class LateCtrlC(Hook):
+        def after_fit(self, trainer, summary):
+            signal.raise_signal(signal.SIGINT)
+
+    trainer = _fit(tmp_path, hooks=[LateCtrlC()])
+    assert trainer.state.epoch == 2
+    assert (f"gputrain: SIGINT came after the last epoch had trained: the run finished and is complete in {tmp_path}; "
+            "nothing was lost") in capsys.readouterr().out.splitlines()

@@ -242,8 +242,8 @@ class Strategy(ABC):
     def eval_sampler(self, length: int) -> Sampler[int]:
         return EvalSampler(length, rank=self.dp_rank, world_size=self.dp_size)
 
-    def check_batch(self, batch_size: int) -> None:
-        """Refuse a batch this strategy cannot run; the default accepts any."""
+    def check_batch(self, batch_size: int, model: nn.Module | None = None) -> None:
+        """Refuse a batch this strategy cannot run with ``model``, before training; the default accepts any."""
 
     def check_loss_inputs(self, outputs: Any, targets: Any) -> None:
         """Refuse outputs/targets the loss cannot combine; the default accepts any."""

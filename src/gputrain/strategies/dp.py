@@ -146,7 +146,7 @@ class DataParallel(Strategy):
             model, device_ids=[d.index for d in self.device_ids], output_device=self._output.index
         )
 
-    def check_batch(self, batch_size: int) -> None:
+    def check_batch(self, batch_size: int, model: nn.Module | None = None) -> None:
         check_batch_covers_devices(batch_size, self.device_ids)
 
     def check_loss_inputs(self, outputs: Any, targets: Any) -> None:

@@ -112,6 +112,22 @@ def load_sharded(strategy: Strategy, module: nn.Module, optimizer: torch.optim.O
         set_optimizer_state_dict(model, optimizer, state["optimizer"])
 
 
+def dcp_model_weights(folder: str | Path) -> dict[str, torch.Tensor]:
+    """The model entry of a DCP folder as full tensors, read in this process alone (no process group, any number
+    of ranks saved it); the optimizer state is not read. What ``gputrain eval``, ``export``, ``predict`` and
+    ``report`` load from a sharded checkpoint."""
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    folder = Path(folder)
+    _metadata_keys(folder)
+    state: dict[str, Any] = {}
+    # What torch's own dcp_to_torch_save does, for the "model" key alone and without writing a file.
+    _load_state_dict(state, storage_reader=dcp.FileSystemReader(str(folder)),
+                     planner=_EmptyStateDictLoadPlanner(keys={"model"}), no_dist=True)
+    return state["model"]
+
+
 def dcp_to_full(folder: str | Path) -> dict[str, Any]:
     """A DCP folder as full tensors in one process: ``{"model": plain state dict, "optimizer": ordinary state}``.
 

@@ -150,7 +150,7 @@ class ModelParallel(StagedStrategy):
         kind = dist_info.device.type
         devices = resolve_stage_devices(cfg.parallel.stage_devices, cfg.parallel.stages, accelerator=kind,
                                         cuda_count=torch.cuda.device_count() if kind == "cuda" else 0)
-        return cls(dist_info, devices=devices, options=SplitOptions.from_config(cfg, stages=len(devices)))
+        return cls(dist_info, devices=devices, options=SplitOptions.from_config(cfg, stages=len(devices), strategy=cls.name))
 
     def describe(self) -> str:
         o = self.options
@@ -164,13 +164,6 @@ class ModelParallel(StagedStrategy):
     @property
     def output_device(self) -> torch.device:
         return self.devices[-1]
-
-    def check_batch(self, batch_size: int) -> None:
-        if batch_size < self.options.micro_batches:
-            raise ValueError(
-                f"trainer.batch_size={batch_size} is smaller than parallel.micro_batches={self.options.micro_batches}; "
-                "use a batch of at least one sample per micro-batch"
-            )
 
     def setup_module(self, model: nn.Module) -> nn.Module:
         # Imported here: gputrain.parallel imports torchvision, which `import gputrain` need not pay for.

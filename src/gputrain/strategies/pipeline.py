@@ -52,21 +52,11 @@ class Pipeline(StagedStrategy):
 
     @classmethod
     def from_config(cls, dist_info: DistInfo, cfg: RunConfig) -> Pipeline:
-        t, stages = cfg.trainer, dist_info.world_size
-        if str(t.precision) in ("16-mixed", "fp16-mixed"):
-            # Named both ways: `mixed` resolves to 16-mixed on a GPU without native bfloat16 before this runs.
-            raise ValueError("strategy pipeline does not support trainer.precision=16-mixed, which `mixed` also means "
-                             "on a GPU without bfloat16 (the loss scaler would skip steps on some stages only); use "
-                             "bf16-mixed on a GPU that has it, or 32")
-        if t.sync_batchnorm and stages > 1:
-            raise ValueError("trainer.sync_batchnorm=true does not apply to strategy pipeline: each stage holds "
-                             "different layers and every stage sees the whole batch; set it to false")
-        if cfg.parallel.schedule == "1f1b" and cfg.parallel.micro_batches < stages:
-            raise ValueError(f"parallel.schedule=1f1b needs parallel.micro_batches >= the {stages} stages; got "
-                             f"{cfg.parallel.micro_batches} (or use schedule=gpipe)")
+        stages = dist_info.world_size
         if stages == 1:  # one process runs the plain model (e.g. `gputrain eval` of a pipeline checkpoint)
             cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, split_points=[]))
-        return cls(dist_info, options=SplitOptions.from_config(cfg, stages=stages))
+        # Checked as the launcher did, now with the real stage count and the resolved precision.
+        return cls(dist_info, options=SplitOptions.from_config(cfg, stages=stages, strategy=cls.name))
 
     def describe(self) -> str:
         o = self.options
@@ -88,13 +78,6 @@ class Pipeline(StagedStrategy):
 
     def has_forward_collectives(self, module: nn.Module) -> bool:
         return False
-
-    def check_batch(self, batch_size: int) -> None:
-        if batch_size < self.options.micro_batches:
-            raise ValueError(
-                f"trainer.batch_size={batch_size} is smaller than parallel.micro_batches={self.options.micro_batches}; "
-                "use a batch of at least one sample per micro-batch"
-            )
 
     # -- model --------------------------------------------------------------------------------
     def setup_module(self, model: nn.Module) -> nn.Module:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from gputrain.config_checks import check_micro_batches, check_split_options
 from gputrain.strategies.base import Strategy
 
 if TYPE_CHECKING:
@@ -49,19 +50,11 @@ class SplitOptions:
         return not self.split_points and self.partition == "measured" and self.stages > 1
 
     @classmethod
-    def from_config(cls, cfg: RunConfig, stages: int) -> SplitOptions:
+    def from_config(cls, cfg: RunConfig, stages: int, strategy: str) -> SplitOptions:
         p = cfg.parallel
         if p.micro_batches < 1:
             raise ValueError(f"parallel.micro_batches={p.micro_batches} must be at least 1")
-        if p.partition not in ("measured", "params"):
-            raise ValueError(f"parallel.partition={p.partition!r} is unknown; choose measured or params")
-        if p.schedule not in ("gpipe", "1f1b"):
-            raise ValueError(f"parallel.schedule={p.schedule!r} is unknown; choose gpipe or 1f1b")
-        if p.split_points and len(p.split_points) != stages - 1:
-            raise ValueError(
-                f"parallel.split_points has {len(p.split_points)} names for {stages} stages; give {stages - 1} "
-                f"(the blocks that start stages 2..{stages})"
-            )
+        check_split_options(cfg, stages, strategy)  # as the launcher did, with the resolved precision and stages
         return cls(stages=stages, micro_batches=p.micro_batches, split_points=tuple(p.split_points),
                    partition=p.partition, schedule=p.schedule,
                    memory_caps=tuple(g * GIB for g in p.stage_memory_gib), batch_size=cfg.trainer.batch_size,
@@ -113,6 +106,12 @@ def block_devices(names: Sequence[str], split_indices: Sequence[int], devices: S
 
 
 # -- micro-batches -------------------------------------------------------------------------------
+def micro_batch_sizes(batch_size: int, micro_batches: int) -> list[int]:
+    """The sizes a batch is cut into: chunks of :func:`split_size`, the last one holding the remainder."""
+    size = split_size(batch_size, micro_batches)
+    return [size] * (batch_size // size) + ([batch_size % size] if batch_size % size else [])
+
+
 def split_size(batch_size: int, micro_batches: int) -> int:
     """Samples per micro-batch: ceil(batch / M), the tutorial's ``split_size``. A short batch gets fewer
     micro-batches of this size (and a shorter last one), so its micro-batches are the ones that one
@@ -296,6 +295,22 @@ class StagedStrategy(Strategy):
     """
 
     wrapper: ClassVar[type[torch.nn.Module]]
+    options: SplitOptions
+
+    def check_batch(self, batch_size: int, model: torch.nn.Module | None = None) -> None:
+        """At least one sample per micro-batch; two where the model trains BatchNorm, which cannot normalise one."""
+        m = self.options.micro_batches
+        check_micro_batches(batch_size, m)
+        norms = [name for name, module in (model.named_modules() if model is not None else [])
+                 if isinstance(module, torch.nn.modules.batchnorm._BatchNorm) and module.training]
+        if not norms or min(micro_batch_sizes(batch_size, m)) > 1:
+            return
+        fits = [k for k in range(m - 1, 0, -1)  # the most micro-batches that all hold 2 samples or more
+                if min(micro_batch_sizes(batch_size, k)) > 1 and len(micro_batch_sizes(batch_size, k)) == k]
+        fix = f"use parallel.micro_batches={fits[0]}" if fits else "use a batch of at least 2"
+        raise ValueError(f"parallel.micro_batches={m} cuts trainer.batch_size={batch_size} into micro-batches of "
+                         f"{'+'.join(map(str, micro_batch_sizes(batch_size, m)))} samples, and the model's BatchNorm "
+                         f"({norms[0]} and {len(norms) - 1} more) cannot train on a micro-batch of 1 sample; {fix}")
 
     def compile_module(self, module: torch.nn.Module, mode: str) -> None:
         """Each stage is compiled on its own device, when the first batch places it (``compile_mode`` of the wrapper)."""

@@ -37,7 +37,7 @@ def model_from_checkpoint(path: str | Path, overrides: Sequence[str] = (),
     ``recipe`` is needed only for a checkpoint without a saved config; one of another task or model
     is ignored with a printed line (never merged into the checkpoint's model).
     """
-    state = load_checkpoint(path)
+    state = load_checkpoint(path, gather_sharded=True)
     cfg, note = config_from_checkpoint(state, path, recipe=recipe, overrides=list(overrides), command="export")
     if note:
         print(note, flush=True)
@@ -115,7 +115,7 @@ def export_model(model: nn.Module, checkpoint: str | Path | None, out: str | Pat
     """
     check_export_packages()
     if checkpoint is not None:
-        load_fitting(model, load_checkpoint(checkpoint)["model"], path=checkpoint)
+        load_fitting(model, load_checkpoint(checkpoint, gather_sharded=True)["model"], path=checkpoint)
     if len(input_shape) < 1 or min(input_shape) < 1:
         raise ValueError(f"input_shape={list(input_shape)} must be positive sizes, e.g. [1, 3, 64, 64]")
     return _export(model.eval(), torch.rand(*input_shape), out, opset)

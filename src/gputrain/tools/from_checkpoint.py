@@ -28,12 +28,13 @@ _NOT_CARRIED = {"out": "", "resume": "", "overwrite": False, "devices": 1}
 def load_for_eval(path: str | Path) -> dict[str, Any]:
     """A gputrain checkpoint, or a bare ``state_dict`` file as ``{"model": ...}`` (it has no saved config).
 
-    Errors are the checkpoint loader's one line naming the file (truncated, corrupt, unsafe).
+    A sharded checkpoint's weights are gathered from its folder. Errors are the checkpoint loader's one line
+    naming the file (truncated, corrupt, unsafe).
     """
     from gputrain.checkpoint import load_checkpoint, model_weights
 
     try:
-        return load_checkpoint(path)
+        return load_checkpoint(path, gather_sharded=True)
     except ValueError as first:
         try:
             return {"model": model_weights(path)}

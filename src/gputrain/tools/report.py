@@ -64,9 +64,19 @@ def _pyplot(what: str) -> Any:
 
 
 def plot_curves(curves: dict[str, tuple[list[int], list[float]]], path: Path, title: str = "") -> Path:
-    """Losses on the left, task metrics on the right (when there are any)."""
+    """``curves.png``: losses on the left, task metrics on the right (when there are any)."""
+    plt = _pyplot("curves.png")
+    fig = curves_figure(curves, title)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def curves_figure(curves: dict[str, tuple[list[int], list[float]]], title: str = "") -> Any:
+    """The matplotlib figure of :func:`plot_curves` (the caller closes it)."""
     plt = _pyplot("curves.png")
     from matplotlib.ticker import MaxNLocator
+
     metrics = [n for n in curves if n not in LOSSES]
     fig, axes = plt.subplots(1, 2 if metrics else 1, figsize=(9 if metrics else 5, 3.4), squeeze=False)
     for ax, names, label in ((axes[0][0], [n for n in LOSSES if n in curves], "loss"),
@@ -78,7 +88,8 @@ def plot_curves(curves: dict[str, tuple[list[int], list[float]]], path: Path, ti
         if label == "loss" and values and min(values) > 0 and max(values) > 20 * min(values):
             ax.set_yscale("log")  # a spike (or a fast first epoch) would flatten the rest to a line
         ax.set_xlabel("epoch")
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        # Whole epochs only, also when one epoch leaves a single whole number in view (min_n_ticks=1).
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
         if names:
@@ -86,9 +97,7 @@ def plot_curves(curves: dict[str, tuple[list[int], list[float]]], path: Path, ti
     if title:
         fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return fig
 
 
 def _one(x: Any, i: int) -> Any:

@@ -159,19 +159,22 @@ def _error_line(stderr: str) -> str:
     return errors[-1] if errors else (lines[-1] if lines else "no output")
 
 
-def _out_folder(out: str | Path | None, overwrite: bool) -> Path:
-    from gputrain.run_folder import clear_run_folder, default_run_dir
+def _out_folder(out: str | Path | None, overwrite: bool, name: str = "scale") -> Path:
+    """The benchmark's folder (``runs/NAME-DATE-TIME`` by default), marked as gputrain's, empty or cleared."""
+    from gputrain.run_folder import clear_run_folder, default_run_dir, mark_run_folder
 
     if out is None:
-        return default_run_dir("scale")
-    out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"--out {out} is a file, not a folder; give a folder for scale.json, scale.md and the runs")
-    if out.is_dir() and any(out.iterdir()):
-        if not overwrite:
-            raise ValueError(f"--out {out} is not empty; pass --overwrite to replace it, or choose another --out")
-        clear_run_folder(out)
-    return out
+        folder = default_run_dir(name)
+    else:
+        folder = Path(out)
+        if folder.exists() and not folder.is_dir():
+            raise ValueError(f"--out {folder} is a file, not a folder; give a folder for {name}.json and the runs")
+        if folder.is_dir() and any(folder.iterdir()):
+            if not overwrite:
+                raise ValueError(f"--out {folder} is not empty; pass --overwrite to replace it, or choose another --out")
+            clear_run_folder(folder)
+    mark_run_folder(folder)
+    return folder
 
 
 def scale_bench(recipe: str, *, devices: list[int], batch_sizes: list[int], out: str | Path | None,

@@ -3,12 +3,17 @@
 Two short runs of the recipe on one device, as users run it (``gputrain train`` in a subprocess): one with
 the real input pipeline, one with ``data.synthetic=true`` (samples kept on the device, no decoding). Their
 ratio is the input-bound ratio: 1.0 means the loader keeps up, 0.5 that the model waits half the time.
-Epochs after the first are timed (the first pays for start-up, caches and any compilation).
+
+Timing: each run logs its pace every :data:`WINDOW_STEPS` steps; the median of those windows after the first
+epoch (which pays for start-up, caches and any compilation) is its images/s, so one slow window (another
+process on the machine) does not decide it. Fewer than :data:`MIN_WINDOWS` timed windows, or a ratio above 1
+(real data cannot be faster than data already on the device), is printed as a caution saying why.
 """
 
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 import time
@@ -41,25 +46,56 @@ class Throughput:
     None when the model is not compiled."""
 
 
+WINDOW_STEPS = 5
+"""Steps per timed window (``trainer.log_every_n_steps`` of the two runs)."""
+MIN_WINDOWS = 5
+"""Timed windows below which a median says little: a caution asks for more ``--epochs``."""
+
+
 def _run(recipe: str, out: Path, overrides: list[str], *, epochs: int, synthetic: bool) -> tuple[dict, list[dict]]:
     from gputrain.tools.scale import _error_line
 
     cmd = [sys.executable, "-m", "gputrain", "train", recipe, "--devices", "1", "--epochs", str(epochs), "--out",
            str(out), "trainer.progress_bar=false", "trainer.checkpoint_every_n_epochs=0", "trainer.loggers=[]",
            "trainer.pictures=0", "trainer.enable_checkpointing=false", *overrides,
-           f"data.synthetic={str(synthetic).lower()}"]
+           f"trainer.log_every_n_steps={WINDOW_STEPS}", f"data.synthetic={str(synthetic).lower()}"]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         kind = "synthetic" if synthetic else "real"
         raise ValueError(f"bench throughput: the {kind}-data run failed (exit {done.returncode}): "
                          f"{_error_line(done.stderr)} (its folder: {out})")
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return json.loads((out / "summary.json").read_text()), [r for r in records if "time/train_s" in r]
+    return json.loads((out / "summary.json").read_text()), records
 
 
-def _steady(epochs: list[dict], key: str) -> float | None:
-    values = [r[key] for r in (epochs[1:] or epochs) if key in r]
-    return sorted(values)[len(values) // 2] if values else None
+def steady(records: list[dict], key: str) -> tuple[float | None, int]:
+    """The median of ``key`` over the timed windows after the first epoch, and how many there were.
+
+    Step records (one per window of :data:`WINDOW_STEPS` steps) when the epochs after the first have any, else
+    the epoch records after the first (all of them for a single epoch: then nothing is warm-up free).
+    """
+    epochs = [r for r in records if "time/train_s" in r]
+    first_end = epochs[0]["step"] if len(epochs) > 1 else -1
+    windows = [r[key] for r in records if "time/train_s" not in r and key in r and r["step"] > first_end
+               and r[key] > 0]
+    if key == "train/images_per_s" and windows:
+        return statistics.median(windows), len(windows)
+    values = [r[key] for r in (epochs[1:] or epochs) if r.get(key) is not None]
+    return (statistics.median(values) if values else None), len(values)
+
+
+def cautions(result: Throughput, windows: tuple[int, int]) -> list[str]:
+    """Why a figure cannot be trusted, one line each (empty when nothing is off)."""
+    lines = []
+    if result.input_bound_ratio > 1.0:
+        lines.append(f"input-bound ratio {result.input_bound_ratio:.2f} is above 1: real data ran faster than samples "
+                     "already on the device, which the input pipeline cannot do; the machine was busy during the "
+                     "synthetic run (or the runs are too short to time): rerun on a quiet machine, or with more --epochs")
+    few = [f"{kind} {n}" for kind, n in zip(("real", "synthetic"), windows, strict=True) if n < MIN_WINDOWS]
+    if few:
+        lines.append(f"only {' and '.join(few)} timed window(s) of {WINDOW_STEPS} steps after the first epoch: the "
+                     f"medians are rough; give more --epochs (or more data) for at least {MIN_WINDOWS} each")
+    return lines
 
 
 def flops_per_image(recipe: str, overrides: list[str]) -> float | None:
@@ -88,10 +124,12 @@ def flops_per_image(recipe: str, overrides: list[str]) -> float | None:
         return None
 
 
-def bench_throughput(recipe: str, *, epochs: int, out: Path, overrides: list[str]) -> Throughput:
+def bench_throughput(recipe: str, *, epochs: int, out: Path, overrides: list[str]) -> tuple[Throughput, list[str]]:
+    """The figures of the two runs, and the cautions that go with them."""
     real_summary, real = _run(recipe, out / "real", overrides, epochs=epochs, synthetic=False)
     synth_summary, synth = _run(recipe, out / "synthetic", overrides, epochs=epochs, synthetic=True)
-    real_ips, synth_ips = _steady(real, "train/images_per_s") or 0.0, _steady(synth, "train/images_per_s") or 0.0
+    (real_ips, real_n), (synth_ips, synth_n) = steady(real, "train/images_per_s"), steady(synth, "train/images_per_s")
+    real_ips, synth_ips = real_ips or 0.0, synth_ips or 0.0
     flops = flops_per_image(recipe, overrides)
     device = real_summary["device"]
     mfu = None
@@ -103,14 +141,15 @@ def bench_throughput(recipe: str, *, epochs: int, out: Path, overrides: list[str
         if peak:
             kind = "bf16" if "bf16" in real_summary["precision"] or "16" in real_summary["precision"] else "fp32"
             mfu = synth_ips * flops / peak[kind]
-    return Throughput(
+    result = Throughput(
         recipe=recipe, device=device, precision=real_summary["precision"],
         batch_size=real_summary["batch_size_per_device"], train_images_per_s=real_ips,
         synthetic_train_images_per_s=synth_ips, input_bound_ratio=real_ips / synth_ips if synth_ips else 0.0,
-        eval_images_per_s=_steady(real, "time/val_images_per_s"), flops_per_image=flops,
+        eval_images_per_s=steady(real, "time/val_images_per_s")[0], flops_per_image=flops,
         model_flops_utilisation=mfu,
         peak_memory_bytes=max(real_summary.get("peak_memory_bytes", 0), synth_summary.get("peak_memory_bytes", 0)),
         compile_s=_compile_s(real_summary, real_ips))
+    return result, cautions(result, (real_n, synth_n))
 
 
 def _compile_s(summary: dict[str, Any], images_per_s: float) -> float | None:
@@ -130,7 +169,8 @@ def table(result: Throughput) -> str:
     rows = [("device", result.device), ("precision", result.precision), ("batch per device", result.batch_size),
             ("train images/s, real data", fmt(result.train_images_per_s)),
             ("train images/s, synthetic data", fmt(result.synthetic_train_images_per_s)),
-            ("input-bound ratio (real / synthetic)", f"{result.input_bound_ratio:.2f}"),
+            ("input-bound ratio (real / synthetic)",
+             f"{result.input_bound_ratio:.2f}" + (" (!)" if result.input_bound_ratio > 1 else "")),
             ("eval images/s, real data", fmt(result.eval_images_per_s)),
             ("training GFLOPs per image", "n/a" if result.flops_per_image is None else f"{result.flops_per_image / 1e9:.3g}"),
             ("model FLOPs utilisation", fmt(result.model_flops_utilisation and 100 * result.model_flops_utilisation, " %")),
@@ -144,12 +184,14 @@ def run_bench_throughput(recipe: str, *, epochs: int, out: str | None, overwrite
     from gputrain.hooks.logging import strict_json
     from gputrain.tools.scale import _out_folder
 
-    folder = _out_folder(out, overwrite)
+    folder = _out_folder(out, overwrite, "throughput")
     start = time.perf_counter()
-    result = bench_throughput(recipe, epochs=epochs, out=folder, overrides=overrides)
-    text = strict_json(asdict(result), indent=2)
+    result, caution = bench_throughput(recipe, epochs=epochs, out=folder, overrides=overrides)
+    text = strict_json(asdict(result) | {"cautions": caution}, indent=2)
     (folder / "throughput.json").write_text(text)
     if json_path:
         Path(json_path).write_text(text)
     print(table(result))
+    for line in caution:
+        print(f"caution: {line}")
     print(f"bench throughput: {time.perf_counter() - start:.0f} s; runs in {folder}")
