@@ -140,8 +140,12 @@ def test_doctor_names_unsynced_batchnorm_at_a_small_batch(faulty):
 
 def test_doctor_passes_a_clean_run_and_reports_the_lr():
     report = _doctor("test_doctor:build_clean")
-    bad = [f for f in report.findings if f.status in ("FAIL", "WARN")]
+    # The input-pipeline check compares measured times: on a busy machine a rank descheduled while it reads a batch
+    # looks input-bound, so its verdict is not asserted here (tests/unit/test_doctor_checks.py feeds it timings).
+    bad = [f for f in report.findings if f.status in ("FAIL", "WARN") and f.check != "input pipeline"]
     assert not bad, report.format()
+    timed = _finding(report, "input pipeline")
+    assert timed.status in ("OK", "WARN") and "ms of model step per step (rank " in timed.what, report.format()
     assert not report.failed
     lr = _finding(report, "learning rate")
     assert "global batch 8 (4/device x 2 rank(s) x 1 accumulation), lr 0.1" in lr.what
