@@ -7,6 +7,7 @@ recipe names ``package.module:function``; the doctor's workers import them by na
 from __future__ import annotations
 
 import os
+import re
 import time
 from pathlib import Path
 
@@ -119,8 +120,15 @@ def test_doctor_names_shapes_that_differ_by_rank(faulty):
 
 def test_doctor_names_the_input_bound_loader(faulty):
     f = _finding(faulty, "input pipeline")  # 4 x 30 ms of sleep per step against a step of a few ms
-    assert f.status == "WARN" and f.what.startswith("input-bound"), faulty.format()
-    assert "data.num_workers=" in f.fix
+    wait, step = (float(x) for x in re.search(r"waiting for data ([\d.]+) ms vs ([\d.]+) ms of model step", f.what).groups())
+    assert wait >= 4 * 30, faulty.format()  # the planted sleep is a lower bound, however busy the machine
+    # Input-bound is waiting longer than the model step; a machine so busy that the step of a 32-channel conv on 4
+    # images of 12 x 12 outlasts 120 ms would make it not so, and the line must then say OK.
+    if wait > step:
+        assert f.status == "WARN" and f.what.startswith("input-bound"), faulty.format()
+        assert "data.num_workers=" in f.fix
+    else:
+        assert f.status == "OK", faulty.format()
 
 
 def test_doctor_names_writes_and_prints_from_rank_1(faulty, written):
