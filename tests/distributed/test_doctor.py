@@ -7,6 +7,7 @@ recipe names ``package.module:function``; the doctor's workers import them by na
 from __future__ import annotations
 
 import os
+import re
 import time
 from pathlib import Path
 
@@ -119,8 +120,15 @@ def test_doctor_names_shapes_that_differ_by_rank(faulty):
 
 def test_doctor_names_the_input_bound_loader(faulty):
     f = _finding(faulty, "input pipeline")  # 4 x 30 ms of sleep per step against a step of a few ms
-    assert f.status == "WARN" and f.what.startswith("input-bound"), faulty.format()
-    assert "data.num_workers=" in f.fix
+    wait, step = (float(x) for x in re.search(r"waiting for data ([\d.]+) ms vs ([\d.]+) ms of model step", f.what).groups())
+    assert wait >= 4 * 30, faulty.format()  # the planted sleep is a lower bound, however busy the machine
+    # Input-bound is waiting longer than the model step; a machine so busy that the step of a 32-channel conv on 4
+    # images of 12 x 12 outlasts 120 ms would make it not so, and the line must then say OK.
+    if wait > step:
+        assert f.status == "WARN" and f.what.startswith("input-bound"), faulty.format()
+        assert "data.num_workers=" in f.fix
+    else:
+        assert f.status == "OK", faulty.format()
 
 
 def test_doctor_names_writes_and_prints_from_rank_1(faulty, written):
@@ -140,8 +148,12 @@ def test_doctor_names_unsynced_batchnorm_at_a_small_batch(faulty):
 
 def test_doctor_passes_a_clean_run_and_reports_the_lr():
     report = _doctor("test_doctor:build_clean")
-    bad = [f for f in report.findings if f.status in ("FAIL", "WARN")]
+    # The input-pipeline check compares measured times: on a busy machine a rank descheduled while it reads a batch
+    # looks input-bound, so its verdict is not asserted here (tests/unit/test_doctor_checks.py feeds it timings).
+    bad = [f for f in report.findings if f.status in ("FAIL", "WARN") and f.check != "input pipeline"]
     assert not bad, report.format()
+    timed = _finding(report, "input pipeline")
+    assert timed.status in ("OK", "WARN") and "ms of model step per step (rank " in timed.what, report.format()
     assert not report.failed
     lr = _finding(report, "learning rate")
     assert "global batch 8 (4/device x 2 rank(s) x 1 accumulation), lr 0.1" in lr.what

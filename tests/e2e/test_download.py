@@ -82,3 +82,35 @@ def test_two_processes_train_on_data_downloaded_once_per_node(tmp_path, archive)
     assert done.returncode == 0, done.stderr
     assert gets == [f"/{path.name}"]
     assert (tmp_path / "run" / "checkpoints" / "last.pt").is_file()
+
+
+def test_the_source_is_torchvisions_unless_a_mirror_and_its_md5_are_given():
+    from gputrain.data.download import cifar10_source
+
+    assert cifar10_source() == ("https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz", "cifar-10-python.tar.gz",
+                                "c58f30108f718f92721af3b95e74349a")
+    assert cifar10_source("http://mirror.example/data/c10.tgz", "0123456789abcdef0123456789abcdef") == (
+        "http://mirror.example/data/c10.tgz", "c10.tgz", "0123456789abcdef0123456789abcdef")
+    # A mirror of the same archive without a sum of its own is checked against torchvision's.
+    assert cifar10_source("http://mirror.example/c10.tgz") == (
+        "http://mirror.example/c10.tgz", "c10.tgz", "c58f30108f718f92721af3b95e74349a")
+
+
+def test_a_mirrors_archive_put_by_hand_under_its_own_name_is_checked_and_extracted_offline(tmp_path, archive):
+    """The refusal names the file to put in data.root; put there, it is used without any download."""
+    path, md5 = archive
+    root = tmp_path / "data"
+    down = tmp_path / "down"
+    down.mkdir()
+    with serving(down) as (url, gets):  # the mirror answers 404: nothing to fetch
+        cfg = _cfg(root, f"{url}/pub/c10-mirror.tgz", md5)
+        with pytest.raises(ValueError) as err:
+            download_data(cfg)
+        assert str(err.value).startswith(f"data.download: cannot download {url}/pub/c10-mirror.tgz (")
+        assert str(err.value).endswith(f"; put c10-mirror.tgz in {root} and run again (it is checked and extracted "
+                                       "there), or set data.download_url to a mirror")
+        root.mkdir(exist_ok=True)
+        (root / "c10-mirror.tgz").write_bytes(path.read_bytes())
+        download_data(cfg)
+    assert gets == []
+    assert len(CIFAR10(root, train=True)) == 20 and len(CIFAR10(root, train=False)) == 10

@@ -114,3 +114,25 @@ def test_pretrained_tensors_get_their_own_learning_rate_and_the_head_keeps_lr(tm
     with pytest.raises(ValueError, match=r"^optim.pretrained_lr_scale=0.1 scales the tensors model.weights loaded, "
                                          r"and this model has none; set model.weights"):
         build_optimizer(_resnet18(), OptimConfig(lr=0.2, pretrained_lr_scale=0.1))
+
+
+def test_a_frozen_batchnorm_keeps_each_tensor_of_the_one_it_replaces_and_its_eval_outputs():
+    from gputrain.models.finetune import freeze_batchnorm
+
+    torch.manual_seed(2)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4, eps=1e-3), nn.ReLU())
+    bn = model[1]
+    with torch.no_grad():
+        bn.weight.copy_(torch.tensor([0.5, 2.0, -1.0, 1.5]))
+        bn.bias.copy_(torch.tensor([0.125, -0.25, 0.375, 0.0]))
+        bn.running_mean.copy_(torch.tensor([1.0, -1.0, 0.5, 0.0]))
+        bn.running_var.copy_(torch.tensor([4.0, 0.25, 1.0, 9.0]))
+    x = torch.randn(2, 3, 8, 8)
+    expected = model.eval()(x)
+    freeze_batchnorm(model)
+    frozen = model[1]
+    assert isinstance(frozen, FrozenBatchNorm2d) and frozen.eps == 1e-3
+    assert frozen.weight.tolist() == [0.5, 2.0, -1.0, 1.5] and frozen.bias.tolist() == [0.125, -0.25, 0.375, 0.0]
+    assert frozen.running_mean.tolist() == [1.0, -1.0, 0.5, 0.0]
+    assert frozen.running_var.tolist() == [4.0, 0.25, 1.0, 9.0]
+    torch.testing.assert_close(model.train()(x), expected)  # the same in train mode: nothing left to update

@@ -84,6 +84,36 @@ def test_classification_csv_scores_as_eval(classes: Path) -> None:
     assert np.allclose([float(r["score"]) for r in rows], probs.max(-1).values.numpy(), atol=2e-6)
 
 
+def test_classification_csv_lists_the_top_classes_by_name_with_their_probabilities(classes: Path,
+                                                                                    tmp_path: Path) -> None:
+    """The top-5 columns (4 here: 4 classes) hold the model's classes in decreasing probability, named by the
+    class folders, the first of them repeated in the label, class and score columns."""
+    from gputrain.tasks import build_task
+    from gputrain.tools.from_checkpoint import config_from_checkpoint, load_for_eval
+
+    checkpoint = classes / "run/checkpoints/last.pt"
+    _run(["predict", "--checkpoint", checkpoint, "--input", classes / "val", "--out", tmp_path / "pred",
+          "--accelerator", "cpu"])
+    rows = list(csv.DictReader((tmp_path / "pred/predictions.csv").open()))
+    names = ["circle", "cross", "square", "triangle"]  # make_classfolder's first 4 shapes, sorted
+    assert sorted(p.name for p in (classes / "val").iterdir()) == names
+    state = load_for_eval(checkpoint)
+    cfg, _ = config_from_checkpoint(state, checkpoint, recipe=None, overrides=[])
+    spec = build_task(cfg)
+    spec.model.load_state_dict(state["model"])
+    spec.model.eval()
+    with torch.no_grad():
+        probs = spec.model(torch.stack([spec.val_data[i][0] for i in range(len(rows))])).softmax(-1)
+    top = probs.topk(4)
+    for row, indices, values in zip(rows, top.indices.tolist(), top.values.tolist(), strict=True):
+        labels = [int(k) for k in row["top5_labels"].split()]
+        assert labels == indices, row
+        assert row["top5_classes"].split() == [names[k] for k in indices]
+        assert np.allclose([float(v) for v in row["top5_scores"].split()], values, atol=2e-6)
+        assert (int(row["label"]), row["class"], row["score"]) == (labels[0], names[labels[0]],
+                                                                   row["top5_scores"].split()[0])
+
+
 def test_segmentation_masks_score_as_eval(ade: Path) -> None:
     metrics = _eval(ade / "run/checkpoints/last.pt", ade / "eval")
     n = 5
@@ -98,6 +128,55 @@ def test_segmentation_masks_score_as_eval(ade: Path) -> None:
     tp = np.diag(confusion).astype(np.float64)
     union = confusion.sum(0) + confusion.sum(1) - tp
     assert np.mean(tp[union > 0] / union[union > 0]) == pytest.approx(metrics["val/mIoU"], abs=1e-12)
+
+
+def test_masks_of_images_of_other_shapes_are_whole_image_predictions_in_rows_and_columns(ade: Path,
+                                                                                          tmp_path: Path) -> None:
+    """Wide and tall images (of different shapes in one batch) get masks of their own height and width, equal to the
+    model's classes on the whole image normalized by hand, also where the run's data.image_size would crop; stems
+    that repeat are numbered. Planted faults: masks written transposed, an image's size passed as (W, H), a centre
+    crop before predicting, repeated stems overwriting each other."""
+    from gputrain.models import build_model
+    from gputrain.tools.from_checkpoint import config_from_checkpoint, load_for_eval
+
+    source = np.array(Image.open(sorted((ade / "data/images/validation").iterdir())[0]))  # 40 x 40 x 3
+    shapes = {"a/tall.png": (40, 28), "a/wide.png": (24, 40), "b/wide.png": (32, 20)}  # (H, W)
+    for name, (h, w) in shapes.items():
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        Image.fromarray(source[40 - h:, :w]).save(tmp_path / name)
+    checkpoint = ade / "run/checkpoints/last.pt"
+    _run(["predict", "--checkpoint", checkpoint, "--input", tmp_path / "a", tmp_path / "b", "--out", tmp_path / "pred",
+          "--accelerator", "cpu", "data.image_size=24"])
+    state = load_for_eval(checkpoint)
+    cfg, _ = config_from_checkpoint(state, checkpoint, recipe=None, overrides=[])
+    model = build_model(cfg.model.name, **cfg.model.kwargs)
+    model.load_state_dict(state["model"])
+    model.eval()
+    mean, std = torch.tensor([0.485, 0.456, 0.406]).view(3, 1, 1), torch.tensor([0.229, 0.224, 0.225]).view(3, 1, 1)
+    for name, stem in (("a/tall.png", "tall"), ("a/wide.png", "wide"), ("b/wide.png", "wide_2")):
+        pixels = torch.from_numpy(np.array(Image.open(tmp_path / name))).permute(2, 0, 1)
+        with torch.no_grad():
+            logits = model(((pixels.float() / 255 - mean) / std)[None])
+        expected = logits.argmax(1)[0].numpy() + 1
+        stored = np.array(Image.open(tmp_path / "pred/masks" / f"{stem}.png")).astype(np.int64)
+        assert stored.shape == shapes[name], (name, stored.shape)
+        assert np.array_equal(stored, expected), name
+        with Image.open(tmp_path / "pred/overlays" / f"{stem}.jpg") as overlay:
+            assert overlay.size == shapes[name][::-1]  # PIL gives (W, H)
+    assert sorted(p.name for p in (tmp_path / "pred/masks").iterdir()) == ["tall.png", "wide.png", "wide_2.png"]
+
+
+def test_output_names_stay_unique_where_a_numbered_stem_is_also_a_files_own(tmp_path: Path) -> None:
+    """a/x.png, b/x.png, c/x_2.png and d/x.png: the second x is numbered x_2, so c's own x_2 must become x_2_2 and
+    the third x x_3, never a second x_2 whose mask and overlay would overwrite b's."""
+    from gputrain.tools.predict import list_inputs
+
+    for name in ("a/x.png", "b/x.png", "c/x_2.png", "c/y.png", "d/x.png"):
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        Image.new("RGB", (4, 4)).save(tmp_path / name)
+    inputs = list_inputs([str(tmp_path / d) for d in ("a", "b", "c", "d")])
+    assert [(i.path.relative_to(tmp_path).as_posix(), i.stem) for i in inputs] == [
+        ("a/x.png", "x"), ("b/x.png", "x_2"), ("c/x_2.png", "x_2_2"), ("c/y.png", "y"), ("d/x.png", "x_3")]
 
 
 def test_two_processes_write_the_same_files(ade: Path) -> None:
@@ -237,3 +316,24 @@ def test_predict_runs_the_model_in_the_layout_the_config_resolves(classes: Path,
     last, plain = (list(csv.DictReader((tmp_path / name / "predictions.csv").open())) for name in ("last", "plain"))
     assert [r["label"] for r in last] == [r["label"] for r in plain]
     assert np.allclose([float(r["score"]) for r in last], [float(r["score"]) for r in plain], atol=1e-5)
+
+
+@pytest.mark.filterwarnings("ignore:__array__ implementation doesn't accept a copy keyword:DeprecationWarning")
+def test_an_image_whose_name_the_annotation_file_holds_twice_gets_a_new_id(tmp_path: Path) -> None:
+    """Two images of the file share the name img.jpg (in two folders): which one was given is unknown, so it is
+    numbered past the file's ids rather than scored against either's annotations."""
+    from torchvision.io import write_jpeg
+
+    from gputrain.tasks.detection import DetectionTask
+    from gputrain.tools.predict import list_inputs
+    from gputrain.tools.predict_write import write_predictions
+
+    for name in ("img.jpg", "only.jpg"):
+        write_jpeg(torch.full((3, 16, 16), 90, dtype=torch.uint8), str(tmp_path / name))
+    task = DetectionTask(tmp_path / "instances.json", {1: 7}, class_names=["background", "cat"],
+                         image_ids={"train/img.jpg": 4, "val/img.jpg": 7, "val/only.jpg": 2})
+    result = {"boxes": torch.tensor([[2.0, 2.0, 8.0, 8.0]]), "labels": torch.tensor([1]), "scores": torch.tensor([0.9])}
+    write_predictions(task, list_inputs([str(tmp_path / "img.jpg"), str(tmp_path / "only.jpg")]),
+                      {0: result, 1: result}, tmp_path / "out")
+    entries = json.loads((tmp_path / "out/predictions.json").read_text())
+    assert [(e["image_id"], e["category_id"]) for e in entries] == [(2, 7), (8, 7)]

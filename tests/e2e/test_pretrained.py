@@ -127,3 +127,38 @@ def test_two_processes_download_once_per_node_and_train_from_the_weights(tmp_pat
     assert done.stderr.count("gputrain: model.weights=") == 1  # rank 0 says what it loaded
     assert "config.yaml" in {p.name for p in (tmp_path / "run").iterdir()}
     assert f"weights: {url}/r18.pth" in (tmp_path / "run" / "config.yaml").read_text()
+
+
+def test_a_gputrain_checkpoint_given_as_a_file_starts_from_its_model_with_a_new_head(tmp_path, capsys):
+    """model.weights=RUN/checkpoints/last.pt: the checkpoint's model (not its optimizer or config) is what loads."""
+    from gputrain.cli import main
+    from gputrain.data.cifar10 import make_cifar10
+
+    data = make_cifar10(tmp_path / "cifar", train_per_class=2, test_per_class=1)
+    assert main(["train", "cifar10-resnet18", "--epochs", "1", "--batch-size", "4", "--data-root", str(data),
+                 "--out", str(tmp_path / "run"), "--accelerator", "cpu", "trainer.max_steps_per_epoch=1",
+                 "trainer.pictures=0", "trainer.progress_bar=false", "trainer.loggers=[]"]) == 0
+    checkpoint = tmp_path / "run" / "checkpoints" / "last.pt"
+    saved = torch.load(checkpoint, weights_only=True)["model"]
+    capsys.readouterr()
+    model = build_configured_model(ModelConfig(name="resnet18", kwargs={"cifar_stem": True},
+                                               weights=str(checkpoint)), "resnet18", num_classes=4)
+    own = model.state_dict()
+    assert own["fc.weight"].shape == (4, 512) and len(saved) == 122
+    for key, value in saved.items():
+        if not key.startswith("fc."):
+            assert torch.equal(own[key], value), key
+    assert capsys.readouterr().err.strip() == (
+        f"gputrain: model.weights={checkpoint} (last.pt): loaded 120 of 122 tensors; kept fresh (not in the weights "
+        "or another shape): fc.{weight,bias}")
+
+
+def test_a_state_dict_saved_from_a_ddp_wrapped_model_loads_without_its_module_prefix(tmp_path):
+    torch.manual_seed(5)
+    state = {k: (torch.randn_like(v) if v.is_floating_point() else v)
+             for k, v in torchvision.models.resnet18(weights=None, num_classes=10).state_dict().items()}
+    torch.save({f"module.{k}": v for k, v in state.items()}, tmp_path / "ddp.pth")
+    model = build_configured_model(ModelConfig(name="resnet18", kwargs={"cifar_stem": False},
+                                               weights=str(tmp_path / "ddp.pth")), "resnet18", num_classes=10)
+    own = model.state_dict()
+    assert all(torch.equal(own[k], v) for k, v in state.items())

@@ -121,3 +121,134 @@ def test_a_python_api_config_is_checked_as_the_command_line_checks_it():
         Trainer(epochs=0)
     with pytest.raises(ValueError, match=r"^optim\.lr=inf must be finite"):
         Trainer(config_module.RunConfig(optim=config_module.OptimConfig(lr=float("inf"))))
+
+
+# -- the ranges as docs/config.md states them, written out by hand (issue 28 item 11) ------------------------------
+# The table test above builds its "just outside" values from RANGES itself, so a bound flipped in RANGES (lt=1 ->
+# le=1) moves its expectation with it. These literal values and messages come from the documented table instead.
+_ATOM = "must be at least 1 and at most 2147483647"
+_ZERO = "must be at least 0 and at most 2147483647"
+_SEED = "must be at least 0 and at most 4294967295"
+REFUSED = [
+    ("optim.lr=0", "optim.lr=0.0 must be in (0, 100]"),
+    ("optim.lr=100.5", "optim.lr=100.5 must be in (0, 100]"),
+    ("scheduler.power=0", "scheduler.power=0.0 must be in (0, 100]"),
+    ("scheduler.power=101", "scheduler.power=101.0 must be in (0, 100]"),
+    ("optim.momentum=1", "optim.momentum=1.0 must be in [0, 1)"),
+    ("optim.momentum=-0.1", "optim.momentum=-0.1 must be in [0, 1)"),
+    ("optim.weight_decay=1.5", "optim.weight_decay=1.5 must be in [0, 1]"),
+    ("optim.weight_decay=-0.5", "optim.weight_decay=-0.5 must be in [0, 1]"),
+    ("scheduler.min_lr_ratio=1.01", "scheduler.min_lr_ratio=1.01 must be in [0, 1]"),
+    ("scheduler.min_lr_ratio=-0.01", "scheduler.min_lr_ratio=-0.01 must be in [0, 1]"),
+    ("scheduler.gamma=0", "scheduler.gamma=0.0 must be in (0, 1]"),
+    ("scheduler.gamma=1.5", "scheduler.gamma=1.5 must be in (0, 1]"),
+    ("data.val_fraction=1", "data.val_fraction=1.0 must be in [0, 1), e.g. 0.2 for an 8:2 split"),
+    ("data.val_fraction=-0.1", "data.val_fraction=-0.1 must be in [0, 1), e.g. 0.2 for an 8:2 split"),
+    ("optim.pretrained_lr_scale=0", "optim.pretrained_lr_scale=0.0 must be in (0, 1000], e.g. 0.1 for pretrained "
+                                    "layers 10x slower than the head"),
+    ("optim.pretrained_lr_scale=1001", "optim.pretrained_lr_scale=1001.0 must be in (0, 1000], e.g. 0.1 for "
+                                       "pretrained layers 10x slower than the head"),
+    ("trainer.grad_clip_norm=-1", "trainer.grad_clip_norm=-1.0 must be in [0, 1000000]"),
+    ("trainer.grad_clip_norm=1000001", "trainer.grad_clip_norm=1000001.0 must be in [0, 1000000]"),
+    ("trainer.timeout_s=0", "trainer.timeout_s=0.0 must be in (0, 10000000]"),
+    ("trainer.timeout_s=10000001", "trainer.timeout_s=10000001.0 must be in (0, 10000000]"),
+    ("trainer.seed=-1", f"trainer.seed=-1 {_SEED}"),
+    ("trainer.seed=4294967296", f"trainer.seed=4294967296 {_SEED}"),
+    ("data.split_seed=-1", f"data.split_seed=-1 {_SEED}"),
+    ("data.split_seed=4294967296", f"data.split_seed=4294967296 {_SEED}"),
+    *((f"{name}=0", f"{name}=0 {_ATOM}") for name in (
+        "trainer.epochs", "trainer.batch_size", "trainer.accumulate_grad_batches", "optim.reference_batch",
+        "scheduler.step_epochs", "parallel.micro_batches")),
+    ("trainer.epochs=2147483648", f"trainer.epochs=2147483648 {_ATOM}"),
+    ("trainer.batch_size=2147483648", f"trainer.batch_size=2147483648 {_ATOM}"),
+    *((f"{name}=-1", f"{name}=-1 {_ZERO}") for name in (
+        "trainer.eval_batch_size", "trainer.max_steps_per_epoch", "trainer.log_every_n_steps",
+        "trainer.eval_every_n_epochs", "trainer.checkpoint_every_n_epochs", "trainer.checkpoint_every_n_steps",
+        "scheduler.warmup_steps", "data.num_classes")),
+    ("trainer.max_steps_per_epoch=2147483648", f"trainer.max_steps_per_epoch=2147483648 {_ZERO}"),
+    ("trainer.devices=0", "trainer.devices=0 must be in [1, 1024]"),
+    ("trainer.devices=1025", "trainer.devices=1025 must be in [1, 1024]"),
+    ("parallel.stages=0", "parallel.stages=0 must be in [1, 1024]"),
+    ("parallel.stages=1025", "parallel.stages=1025 must be in [1, 1024]"),
+    ("trainer.dp_device_ids=[0,-1]", "trainer.dp_device_ids=[0, -1] (-1) must be in [0, 1023]"),
+    ("trainer.dp_device_ids=[1024]", "trainer.dp_device_ids=[1024] (1024) must be in [0, 1023]"),
+    ("trainer.dp_output_device=-1", "trainer.dp_output_device=-1 must be in [0, 1023]"),
+    ("trainer.dp_output_device=1024", "trainer.dp_output_device=1024 must be in [0, 1023]"),
+    ("trainer.keep_last=1", "trainer.keep_last=1 must be in [2, 1000000]"),
+    ("trainer.keep_last=1000001", "trainer.keep_last=1000001 must be in [2, 1000000]"),
+    ("trainer.pictures=-1", "trainer.pictures=-1 must be in [0, 1024], 0 draws no pictures"),
+    ("trainer.pictures=1025", "trainer.pictures=1025 must be in [0, 1024], 0 draws no pictures"),
+    ("data.image_size=-1", "data.image_size=-1 must be in [0, 65536]"),
+    ("data.image_size=65537", "data.image_size=65537 must be in [0, 65536]"),
+    ("data.num_workers=-1", "data.num_workers=-1 must be in [0, 1024], or auto (the cores of the node divided by "
+                            "its processes)"),
+    ("data.num_workers=1025", "data.num_workers=1025 must be in [0, 1024], or auto (the cores of the node divided "
+                              "by its processes)"),
+    ("parallel.stage_memory_gib=[0]", "parallel.stage_memory_gib=[0.0] (0.0) must be in (0, 1048576]"),
+    ("parallel.stage_memory_gib=[1048577]", "parallel.stage_memory_gib=[1048577.0] (1048577.0) must be in "
+                                            "(0, 1048576]"),
+    ("launch.nnodes=0", "launch.nnodes=0 must be in [1, 65536]"),
+    ("launch.nnodes=65537", "launch.nnodes=65537 must be in [1, 65536]"),
+    ("launch.node_rank=-1", "launch.node_rank=-1 must be in [0, 65535]"),
+    ("launch.node_rank=65536", "launch.node_rank=65536 must be in [0, 65535]"),
+    ("launch.max_restarts=-1", "launch.max_restarts=-1 must be in [0, 1000]"),
+    ("launch.max_restarts=1001", "launch.max_restarts=1001 must be in [0, 1000]"),
+]
+
+
+@pytest.mark.parametrize(("override", "message"), REFUSED, ids=[o for o, _ in REFUSED])
+def test_each_documented_bound_refuses_the_value_just_outside_it_with_this_line(override, message):
+    with pytest.raises(ValueError) as err:
+        load_config(None, [override])
+    assert str(err.value) == message
+
+
+ACCEPTED = [  # every bound that is inclusive, and values just inside the exclusive ones
+    "optim.lr=100", "optim.lr=1e-12", "scheduler.power=100", "optim.momentum=0", "optim.momentum=0.999",
+    "optim.weight_decay=0", "optim.weight_decay=1", "scheduler.min_lr_ratio=0", "scheduler.min_lr_ratio=1",
+    "scheduler.gamma=1", "scheduler.gamma=1e-9", "data.val_fraction=0", "data.val_fraction=0.999",
+    "optim.pretrained_lr_scale=1000", "trainer.grad_clip_norm=0", "trainer.grad_clip_norm=1000000",
+    "trainer.timeout_s=10000000", "trainer.seed=0", "trainer.seed=4294967295", "data.split_seed=4294967295",
+    "trainer.epochs=2147483647", "trainer.batch_size=1", "trainer.accumulate_grad_batches=2147483647",
+    "trainer.eval_batch_size=0", "trainer.max_steps_per_epoch=0", "scheduler.warmup_steps=0", "data.num_classes=0",
+    "trainer.devices=1024", "parallel.stages=1024", "trainer.dp_device_ids=[0,1023]", "trainer.dp_output_device=0",
+    "trainer.keep_last=2", "trainer.keep_last=1000000", "trainer.pictures=0", "trainer.pictures=1024",
+    "data.image_size=0", "data.image_size=65536", "data.num_workers=1024", "parallel.stage_memory_gib=[1048576]",
+    "launch.nnodes=65536", "launch.node_rank=65535", "launch.max_restarts=1000",
+]
+
+
+def test_each_documented_bound_that_is_inclusive_is_taken():
+    for override in ACCEPTED:
+        load_config(None, [override, *(["launch.nnodes=65536"] if override.startswith("launch.node_rank") else [])])
+
+
+def test_node_rank_must_be_below_nnodes():
+    load_config(None, ["launch.nnodes=2", "launch.node_rank=1"])
+    with pytest.raises(ValueError) as err:
+        load_config(None, ["launch.nnodes=2", "launch.node_rank=2"])
+    assert str(err.value) == "launch.node_rank=2 must be in [0, launch.nnodes=2)"
+
+
+def test_the_trainer_refuses_the_combinations_the_command_line_refuses():
+    """``Trainer(...)`` (the Python API) checks combinations too, not only ranges: each is the CLI's line."""
+    from gputrain import Trainer
+
+    refused = [
+        (dict(overwrite=True, resume="auto"),
+         "trainer.overwrite=true would delete the run that trainer.resume=auto continues; choose one"),
+        (dict(compile=True, strategy="dp"),
+         "trainer.compile=true does not work with strategy dp (nn.DataParallel copies the model to each GPU at every "
+         "step); use --strategy ddp, or trainer.compile=false"),
+        (dict(monitor_mode="highest"), "trainer.monitor_mode='highest' is not min or max"),
+        (dict(channels_last="yes"),
+         "trainer.channels_last='yes' must be auto, true or false (from Python: 'auto', True or False)"),
+    ]
+    for options, message in refused:
+        with pytest.raises(ValueError) as err:
+            Trainer(**options)
+        assert str(err.value) == message, options
+    with pytest.raises(ValueError) as err:
+        Trainer(config_module.RunConfig(launch=config_module.LaunchConfig(nnodes=2, node_rank=2)))
+    assert str(err.value) == "launch.node_rank=2 must be in [0, launch.nnodes=2)"
+    Trainer(overwrite=True, compile=True, strategy="ddp", monitor_mode="max", channels_last=True)  # each alone is fine

@@ -223,3 +223,18 @@ def test_a_coco_task_built_without_a_run_folder_writes_nothing_where_it_runs(tmp
     ran = build_task(load_config("coco-maskrcnn", [f"data.root={root}", f"trainer.out={tmp_path / 'run'}"]))
     assert (tmp_path / "run" / "splits" / split.name).read_bytes() == split.read_bytes()  # the same split
     assert len(ran.val_data) == 2
+
+
+def test_predict_maps_labels_to_the_categories_training_used_when_the_file_lists_them_out_of_id_order(tmp_path):
+    """The fixture lists categories 12, 3, 7: training and ``gputrain predict`` both number them by increasing id."""
+    from gputrain.config import load_config
+    from gputrain.tasks.detection import for_prediction
+
+    image_dir, ann = fixture_set(tmp_path)
+    train = COCODetection(image_dir, ann, train=True)
+    assert train.label_to_category == {1: 3, 2: 7, 3: 12}
+    assert train.class_names == ["background", "c3", "c7", "c12"]
+    task, _ = for_prediction(load_config("coco-maskrcnn", [f"data.root={tmp_path}"]), annotations=str(ann))
+    assert task.label_to_category == {1: 3, 2: 7, 3: 12}
+    assert task.class_names == ["background", "c3", "c7", "c12"]
+    assert task.image_ids == {"a.jpg": 1, "b.jpg": 2, "c.jpg": 3, "d.jpg": 5, "e.jpg": 8, "f.jpg": 9}

@@ -72,6 +72,25 @@ def test_input_bound_and_the_workers_it_takes():
     assert check_input(_ranks(fast), workers=0).status == "OK"
 
 
+def test_input_pipeline_verdicts_from_given_timings():
+    """The input-bound check as a pure function: times per step are given, never measured here."""
+    def steps(wait, wall, n=3):  # the epoch's first step (workers starting up) is left out of the averages
+        return [_step(0, first=True, wait=5.0, wall=6.0)] + [_step(0, wait=wait, wall=wall) for _ in range(n)]
+
+    equal = check_input(_ranks(steps(0.02, 0.04)), workers=0)  # waiting 20 ms = 20 ms of model step: not input-bound
+    assert (equal.status, equal.what) == ("OK", "waiting for data 20.0 ms vs 20.0 ms of model step per step (rank 0)")
+    assert equal.fix == "loading is 100% of the step; data.num_workers=1 would overlap it with the model"
+    small = check_input(_ranks(steps(0.002, 0.042)), workers=2)  # 5% of the step: no note
+    assert (small.status, small.fix) == ("OK", "")
+    over = check_input(_ranks(steps(0.002, 0.042), steps(0.03, 0.04)), workers=2)  # rank 1: 30 ms vs 10 ms
+    assert over.status == "WARN"
+    assert over.what == ("input-bound: waiting for data 30.0 ms vs 10.0 ms of model step per step (rank 1), with "
+                         "data.num_workers=2")
+    # 2 workers already: a batch costs about 2 x (30 + 10) = 80 ms of one worker, so 8 keep up with a 10 ms step.
+    assert over.fix == "set data.num_workers=8 (about loading time / step time), or make __getitem__ cheaper"
+    assert check_input(_ranks([]), workers=0).status == "SKIP"
+
+
 def test_learning_rate_line_gives_the_scaled_values_and_other_device_counts():
     cfg = load_config(None, ["optim.lr=0.1", "optim.scale_lr=linear", "optim.reference_batch=16"])
     f = check_lr(_ranks([_setup([], 0, lr=0.05)]), cfg)

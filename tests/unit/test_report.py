@@ -120,3 +120,48 @@ def test_the_epoch_axis_has_whole_epochs_only(epochs) -> None:
         shown = [t for t in ax.get_xticks() if low <= t <= high]
         assert shown and all(float(t).is_integer() for t in shown), shown
     plt.close(fig)
+
+
+# -- curves from metrics.jsonl, known answers (issue 28 item 11) ---------------------------------------------------
+def test_a_line_cut_short_by_a_crash_is_skipped_and_the_resumed_records_after_it_are_read(tmp_path: Path) -> None:
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text(
+        '{"epoch": 1, "step": 2, "time/epoch_s": 1.0, "train/loss": 3.0, "val/loss": 3.5}\n'
+        '{"epoch": 2, "step": 4, "time/epoch_s": 1.0, "train/lo\n'  # the crash cut this line; the resume appended on
+        '{"epoch": 2, "step": 4, "time/epoch_s": 1.0, "train/loss": 2.0, "val/loss": 2.5}\n'
+        '{"epoch": 3, "step": 6, "time/epoch_s": 1.0, "train/loss": 1.0, "val/loss": 1.5}\n',
+        encoding="utf-8")
+    assert [r["epoch"] for r in read_metrics(metrics)] == [1, 2, 3]
+    assert epoch_curves(read_metrics(metrics)) == {"train/loss": ([1, 2, 3], [3.0, 2.0, 1.0]),
+                                                   "val/loss": ([1, 2, 3], [3.5, 2.5, 1.5])}
+
+
+def test_an_unfinished_epoch_and_a_non_finite_value_draw_no_point() -> None:
+    records = [{"epoch": 1, "step": 2, "time/epoch_s": 1.0, "train/loss": 2.0, "val/loss": None,  # NaN, as logged
+                "val/mIoU": 0.25},
+               {"epoch": 2, "step": 3, "train/loss": 1.5},  # step records of an epoch the run never finished
+               {"epoch": 2, "step": 4, "train/loss": 1.25}]
+    assert epoch_curves(records) == {"train/loss": ([1], [2.0]), "val/mIoU": ([1], [0.25])}
+
+
+def _svg_panels(curves: dict, tmp_path: Path) -> list[str]:
+    """The text matplotlib writes for each panel (axes) of ``plot_curves`` as SVG: legend names and tick labels."""
+    import re
+
+    from gputrain.tools.report import plot_curves
+
+    svg = plot_curves(curves, tmp_path / "curves.svg").read_text(encoding="utf-8")
+    panels = re.split(r'<g id="axes_\d+">', svg)[1:]
+    return [" | ".join(re.findall(r"<!-- (.*?) -->", p)) for p in panels]
+
+
+def test_losses_are_drawn_left_and_the_task_metric_right_and_a_spike_puts_the_losses_on_a_log_axis(tmp_path) -> None:
+    epochs = [1, 2, 3, 4, 5]
+    (losses, metric) = _svg_panels({"train/loss": (epochs, [5.0, 4.0, 3.0, 2.0, 1.0]),
+                                    "val/loss": (epochs, [5.5, 4.5, 3.5, 2.5, 1.5]),
+                                    "val/accuracy": (epochs, [0.01, 0.1, 0.2, 0.4, 0.5])}, tmp_path)
+    assert "train/loss" in losses and "val/loss" in losses and "val/accuracy" not in losses
+    assert "val/accuracy" in metric and "loss" not in metric
+    assert "10^" not in losses and "10^" not in metric  # 5x between the ends: linear axes
+    (spiked,) = _svg_panels({"train/loss": (epochs, [100.0, 2.0, 1.5, 1.2, 1.0])}, tmp_path)
+    assert "10^{0}" in spiked and "10^{2}" in spiked  # 100x: a log axis, so the epochs after the spike show

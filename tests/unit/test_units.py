@@ -288,3 +288,80 @@ def test_task_records_derived_model_arguments_in_config():
     assert model.fc.out_features == 7
     explicit = ModelConfig(name="resnet18", kwargs={"num_classes": 3})
     assert build_configured_model(explicit, "resnet50", num_classes=7).fc.out_features == 3
+
+
+# -- sampling, known answers written by hand (issue 28 item 11) ---------------------------------------------------
+def test_an_accumulating_epoch_deals_these_samples_to_each_rank_and_a_short_last_step_leaves_rank_1_none():
+    # 9 samples in order, batch 2 on 2 ranks, accumulation 2: global batch 8, so step 0 holds samples 0-7 in two
+    # micro-batches of 4 dealt by stride, and step 1 holds sample 8 alone (rank 1 gets nothing to read).
+    plan = EpochPlan(9, seed=0, epoch=0, dp_size=2, batch_size=2, accumulate=2, shuffle=False)
+    assert (plan.global_batch, plan.num_steps, plan.step_size(0), plan.step_size(1)) == (8, 2, 8, 1)
+    assert plan.micro_batches(0) == [[[0, 2], [1, 3]], [[4, 6], [5, 7]]]
+    assert plan.micro_batches(1) == [[[8], []]]
+    ranks = [StepBatchSampler(9, dp_rank=r, dp_size=2, batch_size=2, accumulate=2, shuffle=False) for r in range(2)]
+    for s in ranks:
+        s.set_epoch(3)
+    assert list(ranks[0]) == [[(3, 0), (3, 2)], [(3, 4), (3, 6)], [(3, 8)]]
+    assert list(ranks[1]) == [[(3, 1), (3, 3)], [(3, 5), (3, 7)]]
+    assert [len(s) for s in ranks] == [3, 2]
+    for s in ranks:
+        s.set_epoch(4, start_step=1)  # resumed after step 0 of epoch 4
+    assert [list(s) for s in ranks] == [[[(4, 8)]], []] and [len(s) for s in ranks] == [1, 0]
+
+
+def test_drop_last_keeps_only_whole_global_batches():
+    plan = EpochPlan(9, seed=0, epoch=0, dp_size=2, batch_size=2, accumulate=2, drop_last=True, shuffle=False)
+    assert (plan.num_samples, plan.num_steps) == (8, 1)
+    assert plan.micro_batches(0) == [[[0, 2], [1, 3]], [[4, 6], [5, 7]]]
+
+
+def test_the_evaluation_sampler_gives_each_rank_every_world_size_th_sample():
+    from gputrain.data.samplers import EvalSampler
+
+    assert [list(EvalSampler(11, rank=r, world_size=3)) for r in range(3)] == [
+        [0, 3, 6, 9], [1, 4, 7, 10], [2, 5, 8]]
+    assert [len(EvalSampler(11, rank=r, world_size=3)) for r in range(3)] == [4, 4, 3]
+    assert list(EvalSampler(4)) == [0, 1, 2, 3]
+
+
+def test_no_two_seeds_share_an_epochs_order():
+    orders = {(seed, epoch): tuple(epoch_permutation(40, seed, epoch)) for seed in range(4) for epoch in range(4)}
+    assert len(set(orders.values())) == 16, "two (seed, epoch) pairs draw the same order"
+
+
+def test_reading_a_seeded_sample_leaves_the_callers_generator_as_it_was():
+    """Augmentation draws from its own (seed, epoch, index) stream; dropout's stream in the caller goes on untouched."""
+    from gputrain.data.samplers import SeededSamples
+
+    class Draws(torch.utils.data.Dataset):
+        def __len__(self) -> int:
+            return 3
+
+        def __getitem__(self, index: int) -> torch.Tensor:
+            return torch.rand(2)
+
+    torch.manual_seed(11)
+    expected = torch.rand(4)
+    torch.manual_seed(11)
+    samples = SeededSamples(Draws(), seed=5)
+    first = samples[(0, 1)]
+    assert torch.equal(torch.rand(4), expected)
+    assert torch.equal(samples[(0, 1)], first)
+
+
+# -- resume: the per-device batch that keeps the checkpoint's global batch ---------------------------------------
+def test_a_resume_keeps_the_global_batch_counting_accumulation():
+    from gputrain.resume import resumed_batch_size
+
+    assert resumed_batch_size(16, 2, 2, 4, "run/last.pt") == 4  # as saved: 4 x 2 ranks x 2 accumulation
+    assert resumed_batch_size(16, 4, 2, 4, "run/last.pt") == 2  # 4 ranks: 2 each
+    assert resumed_batch_size(16, 1, 4, 1, "run/last.pt") == 4  # one rank, 4 micro-batches
+    assert resumed_batch_size(24, 2, 3, 2, "run/last.pt") == 4
+    with pytest.raises(ValueError) as err:  # 12 = 2 ranks x 4 micro-batches x 1.5
+        resumed_batch_size(12, 2, 4, 1, "run/last.pt")
+    assert str(err.value) == ("checkpoint run/last.pt was trained with global batch 12, which 2 process(es) x "
+                              "accumulation 4 cannot split evenly; resume on 1, 3 process(es), or set "
+                              "trainer.accumulate_grad_batches so that it divides")
+    with pytest.raises(ValueError, match=r"global batch 10, which 4 process\(es\) x accumulation 1 cannot split "
+                                         r"evenly; resume on 1, 2, 5, 10 process\(es\)"):
+        resumed_batch_size(10, 4, 1, 2, "run/last.pt")

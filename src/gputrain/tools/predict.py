@@ -51,11 +51,15 @@ def list_inputs(paths: Sequence[str]) -> list[InputImage]:
             files.append(path)
         else:
             raise FileNotFoundError(f"--input {path} does not exist; name image files or folders of images")
-    seen: dict[str, int] = {}
+    taken: set[str] = set()
     inputs = []
     for f in files:
-        seen[f.stem] = seen.get(f.stem, 0) + 1
-        inputs.append(InputImage(f, f.stem if seen[f.stem] == 1 else f"{f.stem}_{seen[f.stem]}"))
+        stem, n = f.stem, 1
+        while stem in taken:  # a/x, b/x, c/x_2: x, x_2, x_2_2 (not a second x_2, whose files would overwrite)
+            n += 1
+            stem = f"{f.stem}_{n}"
+        taken.add(stem)
+        inputs.append(InputImage(f, stem))
     return inputs
 
 
