@@ -26,6 +26,7 @@ test: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks scripts
 	$(BIN)/mypy
+	$(BIN)/lint-imports
 
 ## mutants: plant each known fault in a copy of the code, one at a time; fails if a fast test misses one (docs/testing.md)
 mutants: $(STAMP)

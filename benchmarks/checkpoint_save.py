@@ -6,10 +6,8 @@ autoencoder state with Adam, the median over interleaved trials of
   * ``torch.save(state, path)``: no fsync, no checksum (the baseline the aim is stated against);
   * ``durable``: torch.save to a temporary, fsync, rename, fsync the folder (gputrain's atomic_save
     before the store): what durability alone costs;
-  * ``CheckpointStore.save``: that, plus CRC-32 while writing, ``last.pt`` as a hard link, the
-    manifest written twice (intent, commit) and rotation (keep_last=2, so every save also deletes one);
-  * ``recycled``: the same store as the trainer builds it (``recycle=True``), which overwrites the file
-    rotation retired instead of deleting it and creating a new one;
+  * ``CheckpointStore.save``: that, plus the zip's CRC-32 record in the manifest, ``last.pt`` as a hard
+    link, the manifest written twice (intent, commit) and rotation (keep_last=2, so every save also deletes one);
 
 and the median of per-trial ratios. Each variant writes a new file and the previous one is deleted,
 so none overwrites in place; ``os.sync()`` runs (untimed) after each, so no variant pays for the
@@ -18,20 +16,15 @@ store uses CRC-32. 1 torch thread; wall and CPU time (``time.process_time``) bot
 
     python benchmarks/checkpoint_save.py --pairs 7 --dir runs/bench --json runs/bench/checkpoint_save.json
 
-``--training`` (issue 16) times whole ``Trainer.fit`` runs of ResNet-18 (16x16 images, batch 8, Adam; 3 epochs
-of ``--steps-per-epoch`` steps), each in a new process, without checkpoints, with a synchronous checkpoint every 4
-steps, and with a background one written by a thread (``trainer.checkpoint_process=false``, the default) or by the
-writer process (``true``), in rotated order, and gives the medians of per-round ratios: of the whole ``fit`` (which
-includes starting the writer process and the wait for the last save at the end), and of the mean step time of the
-epochs after the first, where the steady cost per save shows without the end's one-time wait.
+``--training`` (issues 16, 29) times whole ``Trainer.fit`` runs of ResNet-18 (16x16 images, batch 8, Adam; 3 epochs
+of ``--steps-per-epoch`` steps), each in a new process, without checkpoints, with a checkpoint every 4 steps written
+in the step (``trainer.async_checkpoint=false``), and with one written by the background thread (``true``), in
+rotated order, and gives the medians of per-round ratios: of the whole ``fit`` (which includes the wait for the last
+save at the end), and of the mean step time of the epochs after the first, where the steady cost per save shows
+without the end's one-time wait. ``--baseline-python PY`` runs the same three in another installation (an older
+gputrain: ``PYTHONPATH=old/src python``) in the same rounds, rows marked ``before``.
 
     python benchmarks/checkpoint_save.py --training --pairs 8 --dir runs/bench
-
-``--alternate BLOCKS`` measures the steady cost per step alone, for the thread and the process: in one
-``Trainer.fit``, blocks of 32 steps without saves and with the Trainer's save every 4 steps alternate, so the
-machine's slow drifts fall on both alike (``--pairs`` runs of each writer, in rotation, each in a new process).
-
-    python benchmarks/checkpoint_save.py --alternate 24 --pairs 4 --dir runs/bench
 """
 
 from __future__ import annotations
@@ -41,6 +34,7 @@ import functools
 import hashlib
 import json
 import os
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -55,12 +49,13 @@ from typing import Any
 import torch
 import torchvision
 
-from gputrain.checkpoint import CheckpointStore, rng_state
 from gputrain.models.vision import ConvAutoencoder
 
 
 def training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """What a gputrain checkpoint holds, after one step so the optimizer has its buffers."""
+    from gputrain.checkpoint.state import rng_state
+
     model(torch.rand(2, 3, 80, 80)).float().mean().backward()
     optimizer.step()
     return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "rng": {"0": rng_state()},
@@ -98,18 +93,18 @@ def timed(fn: Callable[[], Any]) -> tuple[float, float]:
 
 
 def compare(state: dict[str, Any], folder: Path, pairs: int) -> dict[str, Any]:
+    from gputrain.checkpoint import CheckpointStore
+
     store = CheckpointStore(folder / "store", keep_last=2)
-    recycled = CheckpointStore(folder / "recycled", keep_last=2, recycle=True)  # what the trainer uses
     plain, durable = folder / "plain", folder / "durable"
     plain.mkdir()
     durable.mkdir()
-    times: dict[str, list[tuple[float, float]]] = {"torch.save": [], "durable": [], "store.save": [], "recycled": []}
+    times: dict[str, list[tuple[float, float]]] = {"torch.save": [], "durable": [], "store.save": []}
     for i in range(pairs + 1):  # the first round warms caches and allocators and is dropped
         rounds: dict[str, Callable[[], Any]] = {
             "torch.save": functools.partial(torch.save, state, plain / f"{i}.pt"),
             "durable": functools.partial(durable_save, state, durable / f"{i}.pt"),
             "store.save": functools.partial(store.save, state, name=f"step_{i:06d}"),
-            "recycled": functools.partial(recycled.save, state, name=f"step_{i:06d}"),
         }
         order = list(rounds) if i % 2 else list(reversed(rounds))  # alternate who goes first
         for name in order:
@@ -119,7 +114,6 @@ def compare(state: dict[str, Any], folder: Path, pairs: int) -> dict[str, Any]:
                 times[name].append(result)
         for old in (plain / f"{i}.pt", durable / f"{i}.pt"):
             old.unlink()
-    recycled.discard_spare()
     size = (folder / "store" / "last.pt").stat().st_size
     median = {name: statistics.median(w for w, _ in rows) for name, rows in times.items()}
     cpu = {name: statistics.median(c for _, c in rows) for name, rows in times.items()}
@@ -131,7 +125,6 @@ def compare(state: dict[str, Any], folder: Path, pairs: int) -> dict[str, Any]:
             "store/torch.save": ratio("store.save", "torch.save"),
             "store/durable": ratio("store.save", "durable"),
             "durable/torch.save": ratio("durable", "torch.save"),
-            "recycled/store": ratio("recycled", "store.save"), "cpu recycled/store": ratio("recycled", "store.save", 1),
             "cpu store/torch.save": ratio("store.save", "torch.save", 1),
             "cpu store/durable": ratio("store.save", "durable", 1)}
 
@@ -151,34 +144,37 @@ def checksum_speeds(megabytes: int = 256) -> dict[str, float]:
     return speeds
 
 
-TRAINING_VARIANTS = ("none", "sync", "thread", "process")
-"""No checkpoints; a synchronous save every 4 steps; a background save written by a thread of the training process
-(``trainer.checkpoint_process=false``, the default); a background save written by the writer process (``true``)."""
+TRAINING_VARIANTS = ("none", "sync", "thread")
+"""No checkpoints; a save every 4 steps written in the step; the same written by the background thread."""
 
 
 def training_run(out: Path, variant: str, steps_per_epoch: int, epochs: int) -> dict[str, float]:
     """A ResNet-18 ``Trainer.fit`` (16x16 images, batch 8, Adam), checkpointing every 4 steps or not: wall seconds
-    of the whole ``fit`` and the mean step time after the first epoch, and how many saves the writer process wrote."""
+    of the whole ``fit`` and the mean step time after the first epoch. Written against what every gputrain version
+    since issue 16 offers (hooks called by name with an object that has ``.state``), so ``--baseline-python`` can
+    run it in an older installation."""
     import torch.nn.functional as F
     from torch.utils.data import TensorDataset
 
     from gputrain import Trainer
-    from gputrain.hooks.base import Hook
 
-    class StepTimes(Hook):
+    class StepTimes:  # every hook method the Trainer calls, without importing its Hook class (it moved)
         def __init__(self) -> None:
             self.times: list[float] = []
             self.last = 0.0
 
-        def before_epoch(self, trainer: Any) -> None:
+        def before_epoch(self, run: Any) -> None:
             self.last = time.perf_counter()
 
-        def after_step(self, trainer: Any, logs: Any) -> None:
+        def after_step(self, run: Any, logs: Any) -> None:
             # The save of a checkpointing step runs after this hook, so it is counted in the next step's time.
             now = time.perf_counter()
-            if trainer.state.epoch > 0:
+            if run.state.epoch > 0:
                 self.times.append(now - self.last)
             self.last = now
+
+        def __getattr__(self, name: str) -> Callable[..., None]:
+            return lambda *args: None
 
     g = torch.Generator().manual_seed(0)
     n = 8 * steps_per_epoch
@@ -189,142 +185,75 @@ def training_run(out: Path, variant: str, steps_per_epoch: int, epochs: int) -> 
     checkpoints: dict[str, Any] = {
         "none": dict(enable_checkpointing=False),
         "sync": dict(every_4, async_checkpoint=False),
-        "thread": dict(every_4, async_checkpoint=True, checkpoint_process=False),
-        "process": dict(every_4, async_checkpoint=True, checkpoint_process=True),
+        "thread": dict(every_4, async_checkpoint=True),
     }[variant]
     steps = StepTimes()
     trainer = Trainer(strategy="single", accelerator="cpu", progress_bar=False, loggers=[], batch_size=8,
                       epochs=epochs, out=str(out), overwrite=True, pictures=0, hooks=[steps], **checkpoints)
     start = time.perf_counter()
     trainer.fit(model, data, loss=F.cross_entropy)
-    fit_s = time.perf_counter() - start
-    writer = trainer.checkpoint_writer
     # Mean, not median: one step in four carries the save, and a median would hide it.
-    return {"fit_s": fit_s, "step_s": statistics.fmean(steps.times),
-            "process_writes": float(writer.process_writes if writer is not None else 0)}
+    return {"fit_s": time.perf_counter() - start, "step_s": statistics.fmean(steps.times)}
 
 
-def _run_in_a_new_process(out: Path, variant: str, steps_per_epoch: int, epochs: int) -> dict[str, float]:
-    """:func:`training_run` in a fresh interpreter, as a user's run is: no heap, staging buffers, spare files or writer
-    process left by the run before (the figures before 2026-11-25's tenth session ran every fit in one process)."""
-    done = subprocess.run([sys.executable, __file__, "--one-run", variant, str(out), str(steps_per_epoch), str(epochs)],
-                          capture_output=True, text=True, check=False)
+def _run_in_a_new_process(python: str, out: Path, variant: str, steps_per_epoch: int, epochs: int) -> dict[str, float]:
+    """:func:`training_run` in a fresh interpreter, as a user's run is: no heap or buffers left by the run before."""
+    done = subprocess.run([*shlex.split(python), __file__, "--one-run", variant, str(out), str(steps_per_epoch),
+                           str(epochs)], capture_output=True, text=True, check=False)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     if done.returncode or not lines:
         raise SystemExit(f"the {variant} run failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
     return json.loads(lines[-1].removeprefix("RESULT "))
 
 
-def compare_training(folder: Path, pairs: int, steps_per_epoch: int = 8, epochs: int = 3) -> dict[str, Any]:
+def compare_training(folder: Path, pairs: int, steps_per_epoch: int = 8, epochs: int = 3,
+                     baseline_python: str = "") -> dict[str, Any]:
     """Interleaved rounds of every variant (rotated so none always goes first), each fit in a new process; medians of
-    per-round ratios to the run without checkpoints."""
-    times: dict[str, list[dict[str, float]]] = {v: [] for v in TRAINING_VARIANTS}
+    per-round ratios to the run without checkpoints of the same installation."""
+    pythons = {"": sys.executable, **({"before ": baseline_python} if baseline_python else {})}
+    variants = [(who, v) for who in pythons for v in TRAINING_VARIANTS]
+    times: dict[str, list[dict[str, float]]] = {who + v: [] for who, v in variants}
     for i in range(pairs + 1):  # round 0 warms up (the disk, the page cache of torch's files) and is dropped
-        k = i % len(TRAINING_VARIANTS)
-        for variant in TRAINING_VARIANTS[k:] + TRAINING_VARIANTS[:k]:
-            out = folder / f"{variant}-{i}"
-            result = _run_in_a_new_process(out, variant, steps_per_epoch, epochs)
+        k = i % len(variants)
+        for who, variant in variants[k:] + variants[:k]:
+            out = folder / f"{who.strip() or 'after'}-{variant}-{i}"
+            result = _run_in_a_new_process(pythons[who], out, variant, steps_per_epoch, epochs)
             shutil.rmtree(out)  # outside the timing
             os.sync()
             if i:
-                times[variant].append(result)
+                times[who + variant].append(result)
 
-    def ratios(variant: str, key: str) -> list[float]:
-        return [x[key] / y[key] for x, y in zip(times[variant], times["none"], strict=True)]
+    def ratios(name: str, key: str) -> list[float]:
+        none = name.rsplit(" ", 1)[0] + " none" if " " in name else "none"
+        return [x[key] / y[key] for x, y in zip(times[name], times[none], strict=True)]
 
+    saving = [n for n in times if not n.endswith("none")]
     return {"pairs": pairs, "steps": steps_per_epoch * epochs,
-            "rounds": {f"{key} {v}/none": ratios(v, key) for v in TRAINING_VARIANTS[1:] for key in ("fit_s", "step_s")},
-            "fit_s": {v: statistics.median(r["fit_s"] for r in t) for v, t in times.items()},
-            "step_s": {v: statistics.median(r["step_s"] for r in t) for v, t in times.items()},
-            "process_writes": {v: statistics.median(r["process_writes"] for r in t) for v, t in times.items()},
-            **{f"{key} {v}/none": statistics.median(ratios(v, key)) for v in TRAINING_VARIANTS[1:]
-               for key in ("fit_s", "step_s")}}
+            "rounds": {f"{key} {n}/none": ratios(n, key) for n in saving for key in ("fit_s", "step_s")},
+            "fit_s": {n: statistics.median(r["fit_s"] for r in t) for n, t in times.items()},
+            "step_s": {n: statistics.median(r["step_s"] for r in t) for n, t in times.items()},
+            **{f"{key} {n}/none": statistics.median(ratios(n, key)) for n in saving for key in ("fit_s", "step_s")}}
 
 
-def alternating_blocks(folder: Path, process: bool, blocks: int, block: int = 32) -> dict[str, Any]:
-    """The steady cost of background saves per step, in one ``Trainer.fit``: blocks of ``block`` ResNet-18 steps
-    (16x16, batch 8, Adam) without saves and with a save every 4 steps alternate (A B B A A B ...), so the machine's
-    slow drifts fall on both alike.
-
-    The saves are the Trainer's own (``gputrain.resume.save_checkpoint`` from a hook after the step, as
-    ``trainer.checkpoint_every_n_steps`` makes them), written by a thread or by the writer process (started with the
-    run and waited for, so its start-up is not counted). The first 4 steps of a block without saves are not counted:
-    the last save of the block before may still be in flight there. Median over block pairs of (mean step with saves
-    / mean step without).
-    """
-    import torch.nn.functional as F
-    from torch.utils.data import TensorDataset
-
-    from gputrain import Trainer
-    from gputrain.hooks.base import Hook
-    from gputrain.resume import save_checkpoint
-
-
-    class Blocks(Hook):
-        def __init__(self) -> None:
-            self.without: list[float] = []
-            self.with_saves: list[float] = []
-            self.times: list[float] = []
-            self.last = 0.0
-
-        def before_epoch(self, trainer: Any) -> None:
-            if process and not trainer.checkpoint_writer.process_ready(timeout=120):
-                raise SystemExit("the checkpoint writer process did not start")
-            self.last = time.perf_counter()
-
-        def after_step(self, trainer: Any, logs: Any) -> None:
-            now = time.perf_counter()
-            self.times.append(now - self.last)
-            self.last = now  # a save's own time in the step lands in the next step, as with checkpoint_every_n_steps
-            k = trainer.state.global_step - 1 - 3 * block  # steps after the warm-up
-            pair, i = divmod(k, 2 * block) if k >= 0 else (0, -1)
-            saving = k < 0 or ((i < block) == (pair % 2 == 0))  # A B, then B A, ...
-            if k >= 0 and i % block == block - 1:  # a block ends: its mean step
-                times = self.times[-block:]
-                (self.with_saves if saving else self.without).append(
-                    statistics.fmean(times) if saving else statistics.fmean(times[4:]))
-            if saving and trainer.state.global_step % 4 == 0:
-                save_checkpoint(trainer, f"step_{trainer.state.global_step:06d}")
-
-    steps = (3 + 2 * blocks) * block
-    g = torch.Generator().manual_seed(0)
-    data = TensorDataset(torch.rand(8 * steps, 3, 16, 16, generator=g), torch.randint(0, 10, (8 * steps,), generator=g))
-    torch.manual_seed(0)
-    hook = Blocks()
-    trainer = Trainer(strategy="single", accelerator="cpu", progress_bar=False, loggers=[], batch_size=8, epochs=1,
-                      out=str(folder), overwrite=True, pictures=0, hooks=[hook], checkpoint_every_n_steps=0,
-                      checkpoint_process=process)
-    trainer.fit(torchvision.models.resnet18(num_classes=10), data, loss=F.cross_entropy)
-    ratios = [b / a for a, b in zip(hook.without, hook.with_saves, strict=True)]
-    return {"blocks": blocks, "step_without_s": statistics.median(hook.without),
-            "step_with_saves_s": statistics.median(hook.with_saves), "ratio": statistics.median(ratios),
-            "quartiles": statistics.quantiles(ratios), "process_writes": trainer.checkpoint_writer.process_writes}
-
-
-def report_alternate(args: argparse.Namespace) -> None:
-    """``--alternate BLOCKS``: thread and process, ``--pairs`` rounds each in rotation, one new process per run."""
-    rows: dict[str, list[dict[str, Any]]] = {"thread": [], "process": []}
-    with tempfile.TemporaryDirectory(prefix="gputrain-ckpt-alt-", dir=args.dir or None) as tmp:
-        for i in range(args.pairs):
-            for kind in ("thread", "process") if i % 2 == 0 else ("process", "thread"):
-                out = Path(tmp) / f"{kind}-{i}"
-                done = subprocess.run([sys.executable, __file__, "--one-alternate", kind, str(out), str(args.alternate)],
-                                      capture_output=True, text=True, check=False)
-                lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-                if done.returncode or not lines:
-                    raise SystemExit(f"the {kind} run failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
-                rows[kind].append(json.loads(lines[-1].removeprefix("RESULT ")))
-                shutil.rmtree(out, ignore_errors=True)
-    print(f"| writer | step without saves | step with a save every 4 | with / without, per run ({args.alternate} block "
-          "pairs of 32 steps) | median of runs |")
-    print("|---|---:|---:|---|---:|")
-    for kind, runs in rows.items():
-        per_run = ", ".join(f"{r['ratio']:.3f}" for r in runs)
-        print(f"| {kind} | {statistics.median(r['step_without_s'] for r in runs) * 1e3:.1f} ms "
-              f"| {statistics.median(r['step_with_saves_s'] for r in runs) * 1e3:.1f} ms | {per_run} "
-              f"| {statistics.median(r['ratio'] for r in runs):.3f} |")
+def report_training(args: argparse.Namespace) -> None:
+    with tempfile.TemporaryDirectory(prefix="gputrain-ckpt-train-", dir=args.dir or None) as tmp:
+        r = compare_training(Path(tmp), args.pairs, steps_per_epoch=args.steps_per_epoch,
+                             baseline_python=args.baseline_python)
+    print("| ResNet-18, 16x16, batch 8, Adam | no checkpoint | sync every 4 | thread every 4 | sync / none "
+          "| thread / none |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for who in ("before ", "") if args.baseline_python else ("",):
+        f, st = r["fit_s"], r["step_s"]
+        print(f"| {who}whole fit, {r['steps']} steps | {f[who + 'none']:.2f} s | {f[who + 'sync']:.2f} s "
+              f"| {f[who + 'thread']:.2f} s | {r[f'fit_s {who}sync/none']:.3f} | {r[f'fit_s {who}thread/none']:.3f} |")
+        print(f"| {who}mean step, epochs 2-3 | {st[who + 'none'] * 1e3:.1f} ms | {st[who + 'sync'] * 1e3:.1f} ms "
+              f"| {st[who + 'thread'] * 1e3:.1f} ms | {r[f'step_s {who}sync/none']:.3f} "
+              f"| {r[f'step_s {who}thread/none']:.3f} |")
+    spread = {k: f"{min(v):.3f}..{max(v):.3f}" for k, v in r["rounds"].items()}
+    print(f"\nMedians of {args.pairs} rotated rounds, each fit in a new process; ratios are medians of per-round "
+          f"ratios (per-round min..max: {spread}).")
     if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=2))
+        Path(args.json).write_text(json.dumps(r, indent=2))
 
 
 def main() -> None:
@@ -333,47 +262,22 @@ def main() -> None:
     parser.add_argument("--dir", default="", help="where to write (default: the system temporary folder)")
     parser.add_argument("--json", default="")
     parser.add_argument("--training", action="store_true",
-                        help="instead: ResNet-18 training with a checkpoint every 4 steps: none / sync / thread / process")
+                        help="instead: ResNet-18 training with a checkpoint every 4 steps: none / sync / thread")
     parser.add_argument("--steps-per-epoch", type=int, default=32, help="with --training: steps in each of 3 epochs")
-    parser.add_argument("--alternate", type=int, default=0, metavar="BLOCKS",
-                        help="instead: the steady cost per step, thread vs process, in alternating blocks (one process "
-                             "each, run --pairs times in rotation)")
+    parser.add_argument("--baseline-python", default="",
+                        help="with --training: also run the three in this interpreter (e.g. 'env PYTHONPATH=old/src "
+                             "python'), in the same rounds")
     parser.add_argument("--one-run", nargs=4, metavar=("VARIANT", "OUT", "STEPS", "EPOCHS"), help=argparse.SUPPRESS)
-    parser.add_argument("--one-alternate", nargs=3, metavar=("WRITER", "OUT", "BLOCKS"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.one_run:
         variant, out, steps, epochs = args.one_run
         print("RESULT " + json.dumps(training_run(Path(out), variant, int(steps), int(epochs))), flush=True)
         return
-    if args.one_alternate:
-        kind, out, blocks = args.one_alternate
-        print("RESULT " + json.dumps(alternating_blocks(Path(out), kind == "process", int(blocks))), flush=True)
-        return
     if args.dir:
         Path(args.dir).mkdir(parents=True, exist_ok=True)
-    if args.alternate:
-        report_alternate(args)
-        return
     if args.training:
-        with tempfile.TemporaryDirectory(prefix="gputrain-ckpt-train-", dir=args.dir or None) as tmp:
-            r = compare_training(Path(tmp), args.pairs, steps_per_epoch=args.steps_per_epoch)
-        f, st = r["fit_s"], r["step_s"]
-        print("| ResNet-18, 16x16, batch 8, Adam | no checkpoint | sync every 4 | thread every 4 | process every 4 "
-              "| sync / none | thread / none | process / none |")
-        print("|---|---:|---:|---:|---:|---:|---:|---:|")
-        print(f"| whole fit, {r['steps']} steps | {f['none']:.2f} s | {f['sync']:.2f} s | {f['thread']:.2f} s "
-              f"| {f['process']:.2f} s | {r['fit_s sync/none']:.3f} | {r['fit_s thread/none']:.3f} "
-              f"| {r['fit_s process/none']:.3f} |")
-        print(f"| mean step, epochs 2-3 | {st['none'] * 1e3:.1f} ms | {st['sync'] * 1e3:.1f} ms "
-              f"| {st['thread'] * 1e3:.1f} ms | {st['process'] * 1e3:.1f} ms | {r['step_s sync/none']:.3f} "
-              f"| {r['step_s thread/none']:.3f} | {r['step_s process/none']:.3f} |")
-        spread = {k: f"{min(v):.3f}..{max(v):.3f}" for k, v in r["rounds"].items()}
-        print(f"\nMedians of {args.pairs} rotated rounds, each fit in a new process; ratios are medians of per-round "
-              f"ratios (per-round min..max: {spread}). Saves the writer process wrote per fit (median): "
-              f"{r['process_writes']['process']:.0f}.")
-        if args.json:
-            Path(args.json).write_text(json.dumps(r, indent=2))
+        report_training(args)
         return
     results: dict[str, Any] = {"save": {}, "checksum_GB_per_s": checksum_speeds()}
     with tempfile.TemporaryDirectory(prefix="gputrain-ckpt-bench-", dir=args.dir or None) as tmp:
@@ -382,15 +286,15 @@ def main() -> None:
             folder.mkdir()
             results["save"][label] = compare(state, folder, args.pairs)
 
-    print("| state | size | torch.save | durable | store.save | recycled | store / torch.save | store / durable "
-          "| recycled / store | CPU: store / torch.save | CPU: store / durable | CPU: recycled / store |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| state | size | torch.save | durable | store.save | store / torch.save | store / durable "
+          "| CPU: store / torch.save | CPU: store / durable |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for label, r in results["save"].items():
         w = r["wall_s"]
         print(f"| {label} | {r['bytes'] / 1e6:.1f} MB | {w['torch.save'] * 1e3:.1f} ms | {w['durable'] * 1e3:.1f} ms "
-              f"| {w['store.save'] * 1e3:.1f} ms | {w['recycled'] * 1e3:.1f} ms | {r['store/torch.save']:.2f}x "
-              f"| {r['store/durable']:.2f}x | {r['recycled/store']:.2f}x | {r['cpu store/torch.save']:.2f}x "
-              f"| {r['cpu store/durable']:.2f}x | {r['cpu recycled/store']:.2f}x |")
+              f"| {w['store.save'] * 1e3:.1f} ms | {r['store/torch.save']:.2f}x "
+              f"| {r['store/durable']:.2f}x | {r['cpu store/torch.save']:.2f}x "
+              f"| {r['cpu store/durable']:.2f}x |")
     print(f"\nMedians of {args.pairs} interleaved trials; ratios are medians of per-trial ratios.\n")
     print("| checksum | GB/s |")
     print("|---|---:|")

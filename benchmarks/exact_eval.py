@@ -24,10 +24,10 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, Sampler, TensorDataset
 
 from gputrain.dist import DistInfo, init_distributed, teardown
-from gputrain.launch import launch_all
+from gputrain.launcher.ranks import launch_all
 from gputrain.metrics.classification import ClassificationEvaluator
-from gputrain.strategies import DDP
 from gputrain.strategies.base import Strategy
+from gputrain.strategies.ddp import DDP
 
 NUM_CLASSES = 10
 IMAGE_SIDE = 64  # large enough that a pass outlasts the timing noise of a shared machine

@@ -23,7 +23,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from gputrain.tools.throughput import _run, _steady
+from gputrain.tools.bench.throughput import _run, steady
 
 OFF = ["trainer.precision=32", "trainer.channels_last=false", "trainer.cudnn_benchmark=false", "optim.fused=false"]
 WITHOUT = {"bf16": "trainer.precision=32", "channels_last": "trainer.channels_last=false",
@@ -61,7 +61,7 @@ def main() -> None:
                 out = Path(tmp) / f"{rep}-{name}"
                 overrides = [f"data.root={args.data_root}", *args.overrides, *runs[name]]
                 summary, epochs = _run(args.recipe, out, overrides, epochs=args.epochs, synthetic=True)
-                this[name] = _steady(epochs, "train/images_per_s") or 0.0
+                this[name] = steady(epochs, "train/images_per_s")[0] or 0.0
                 ips[name].append(this[name])
                 if name == "auto+compile" and summary.get("first_step_s") is not None and this[name]:
                     compile_s.append(summary["first_step_s"] - summary["batch_size_per_device"] / this[name])

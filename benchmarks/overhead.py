@@ -30,8 +30,9 @@ from torch.utils.data import DataLoader, Dataset
 from gputrain import Trainer
 from gputrain.config import OptimConfig, RunConfig
 from gputrain.dist import init_distributed, teardown
-from gputrain.hooks.base import Hook
-from gputrain.launch import free_port, launch_all
+from gputrain.engine.hooks import Hook
+from gputrain.launcher.ranks import launch_all
+from gputrain.launcher.spec import free_port
 from gputrain.models.vision import ConvAutoencoder
 from gputrain.tasks.autoencoder import ReconstructionTask
 

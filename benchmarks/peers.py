@@ -125,7 +125,10 @@ def mean_loss(total: torch.Tensor, count: int, world: int) -> float:
 
 def run_hand(model_name: str, epochs: int, clock: Clock, rank: int, world: int, tuned: bool = False) -> None:
     if tuned:
-        from gputrain.fast_path import keep_freed_host_memory
+        try:
+            from gputrain.engine.fast import keep_freed_host_memory
+        except ImportError:  # a gputrain from before issue 29 (--baseline runs of this script)
+            from gputrain.fast_path import keep_freed_host_memory  # type: ignore[no-redef]
 
         keep_freed_host_memory()
     data = Keyed(model_name)
@@ -197,8 +200,12 @@ def run_lightning(model_name: str, epochs: int, clock: Clock, rank: int, world: 
 def run_gputrain(model_name: str, epochs: int, clock: Clock, rank: int, world: int) -> None:
     from gputrain import Trainer
     from gputrain.config import OptimConfig, RunConfig
-    from gputrain.hooks.base import Hook
     from gputrain.tasks.base import Task
+
+    try:
+        from gputrain.engine.hooks import Hook
+    except ImportError:  # a gputrain from before issue 29, whose hooks lived in gputrain.hooks
+        from gputrain.hooks.base import Hook  # type: ignore[no-redef]
 
     class Timing(Hook):
         def before_epoch(self, trainer: Any) -> None:

@@ -39,7 +39,7 @@ from torch import nn
 
 from gputrain.config import OptimConfig
 from gputrain.dist import init_distributed, teardown
-from gputrain.launch import launch_all
+from gputrain.launcher.ranks import launch_all
 from gputrain.precision import Precision
 from gputrain.strategies.base import MicroBatch
 from gputrain.strategies.pipeline import Pipeline

@@ -1,6 +1,6 @@
 """Training and evaluation images/s of each built-in recipe on CPU, on 1 and 2 processes.
 
-Each row is one ``gputrain train`` run with the shrunken settings of ``tests/test_recipes.py``
+Each row is one ``gputrain train`` run with the shrunken settings of ``tests/e2e/test_recipes.py``
 (imported, so the figures describe exactly what the tests run). Throughput comes from the run's
 ``metrics.jsonl`` epoch records after the first (warm-up): training is ``train/samples`` over
 ``time/train_s`` summed over all ranks' samples; evaluation is ``val/samples`` (``val/images``
@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "e2e"))
 from test_recipes import COMMON, RECIPES, RecipeRun  # noqa: E402  (the tests own the settings)
 
 # The tests' settings without their per-step logging (an all-reduce and a host sync every step)

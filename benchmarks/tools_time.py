@@ -35,9 +35,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "distribu
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from test_parity_tool import tiny_config  # noqa: E402  (the tests own the settings)
 
-from gputrain.tools.doctor import _doctor_rank  # noqa: E402
-from gputrain.tools.parity import build_from_config, check_parity  # noqa: E402
-from gputrain.tools.ranks import run_on_ranks  # noqa: E402
+from gputrain.tools.diagnose.doctor import _doctor_rank  # noqa: E402
+from gputrain.tools.diagnose.parity import build_from_config, check_parity  # noqa: E402
+from gputrain.tools.diagnose.ranks import run_on_ranks  # noqa: E402
 
 RECIPES = ("autoencoder", "cifar10-resnet18")
 

@@ -15,7 +15,7 @@ from torch import nn
 
 from gputrain import Trainer
 from gputrain.config import OptimConfig, ParallelConfig, RunConfig
-from gputrain.hooks.base import Hook
+from gputrain.engine.hooks import Hook, RunContext
 from gputrain.tasks.base import Task
 
 
@@ -68,8 +68,8 @@ class StopAtStep(Hook):
     def __init__(self, step: int) -> None:
         self.step = step
 
-    def after_step(self, trainer: Trainer, logs: dict[str, float] | None) -> None:
-        if trainer.state.global_step == self.step:
+    def after_step(self, ctx: RunContext, logs: dict[str, float] | None) -> None:
+        if ctx.state.global_step == self.step:
             raise RuntimeError(f"planned crash at step {self.step}")
 
 

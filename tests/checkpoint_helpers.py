@@ -1,8 +1,9 @@
 """Helpers of the checkpoint writer's tests: compare two states leaf by leaf; hold a write at a known instant.
 
-:class:`HeldSave`: the writer (the background thread, the writer process, or a synchronous save) opens the FIFO named
-by ``GPUTRAIN_TEST_PAUSE_SAVE`` after its first bytes and blocks until the test lets it go, so a kill or an in-place
-update lands inside the write rather than after a sleep.
+:class:`HeldSave`: a ``write`` function (what :class:`~gputrain.checkpoint.store.CheckpointStore` and
+:class:`~gputrain.checkpoint.snapshot.CheckpointWriter` take) that opens a FIFO at a chosen instant of the write and
+blocks until the test lets it go, so a kill or an in-place update lands inside the write rather than after a sleep.
+The test injects it; production code has no switch for it.
 """
 
 from __future__ import annotations
@@ -12,23 +13,37 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import pytest
 import torch
 
-from gputrain.checkpoint_io import PAUSE_ENV
+from gputrain.checkpoint.files import write_temporary
 
 
 class HeldSave:
-    """Hold the writer inside ``torch.save`` (after its first bytes) until :meth:`release`."""
+    """Hold the writer at ``where`` until :meth:`release`: ``before`` the file is written, ``after`` it is written
+    (its temporary whole, not yet committed), or ``inside`` it (the temporary holding part of the bytes)."""
 
-    def __init__(self, folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def __init__(self, folder: Path, where: str = "before") -> None:
         self.fifo = folder / "hold.fifo"
         os.mkfifo(self.fifo)
-        monkeypatch.setenv(PAUSE_ENV, str(self.fifo))
+        self.where = where
         self.end: Any = None
 
+    def write(self, state: Any, folder: Path, name: str) -> tuple[Path, int, dict[str, str]]:
+        if self.where == "before":
+            self._hold()
+        path, size, checksum = write_temporary(state, folder, name)
+        if self.where == "inside":
+            os.truncate(path, size // 2)
+        if self.where in ("after", "inside"):
+            self._hold()
+        return path, size, checksum
+
+    def _hold(self) -> None:
+        with open(self.fifo, "rb") as fifo:  # opening blocks until the test opens the other end
+            fifo.read()  # returns once the test closes its end
+
     def reached(self) -> None:
-        """Returns once the writer has opened the FIFO, i.e. it is paused inside the write."""
+        """Returns once the writer has opened the FIFO, i.e. it is held."""
         self.end = open(self.fifo, "wb")  # noqa: SIM115  (blocks until the reader, the writer, opens it)
 
     def release(self) -> None:

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from gputrain.dist import init_distributed, teardown
-from gputrain.launch import launch_all
+from gputrain.launcher.ranks import launch_all
 
 
 def _entry(fn: Callable[..., Any], args: tuple[Any, ...], accelerator: str, timeout_s: float) -> Any:

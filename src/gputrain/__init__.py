@@ -1,28 +1,29 @@
 """gputrain: train vision models on one CPU, one GPU, many GPUs or many nodes from one recipe.
 
-The public names are imported on first use (PEP 562), so ``import gputrain`` and the command
-line's ``--help``, ``--version`` and usage errors cost no torch import (seconds on a busy machine).
+The public names are imported on first use (PEP 562), so ``import gputrain`` and the command line's ``--help``,
+``--version`` and usage errors cost no torch import (seconds on a busy machine).
 """
 
 from __future__ import annotations
 
 import importlib
-import sys
-import types
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from gputrain.config import RunConfig, load_config
     from gputrain.dist import DistInfo, init_distributed
-    from gputrain.launch import launch, launch_all
-    from gputrain.loop import Trainer
+    from gputrain.engine.hooks import Hook, RunContext
+    from gputrain.engine.trainer import Trainer
+    from gputrain.launcher.ranks import launch, launch_all
 
 __version__ = "0.1.0"
-__all__ = ["DistInfo", "RunConfig", "Trainer", "init_distributed", "launch", "launch_all", "load_config"]
+__all__ = ["DistInfo", "Hook", "RunConfig", "RunContext", "Trainer", "init_distributed", "launch", "launch_all",
+           "load_config"]
 
 _HOMES = {"RunConfig": "gputrain.config", "load_config": "gputrain.config", "DistInfo": "gputrain.dist",
-          "init_distributed": "gputrain.dist", "launch": "gputrain.launch", "launch_all": "gputrain.launch",
-          "Trainer": "gputrain.loop"}
+          "init_distributed": "gputrain.dist", "launch": "gputrain.launcher.ranks",
+          "launch_all": "gputrain.launcher.ranks", "Trainer": "gputrain.engine.trainer",
+          "Hook": "gputrain.engine.hooks", "RunContext": "gputrain.engine.hooks"}
 """Where each public name lives; add a name here and to ``__all__`` (and the TYPE_CHECKING imports)."""
 
 
@@ -37,19 +38,3 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted([*globals(), *__all__])
-
-
-class _Package(types.ModuleType):
-    """``gputrain.launch`` is the function, as before: importing the submodule of that name (which sets the
-    package attribute to the module) must not hide it."""
-
-    @property
-    def launch(self) -> Any:
-        return importlib.import_module("gputrain.launch").launch
-
-    @launch.setter
-    def launch(self, value: Any) -> None:
-        pass  # the import system setting the submodule; the function is what the property returns
-
-
-sys.modules[__name__].__class__ = _Package

@@ -41,3 +41,7 @@ class NonFiniteError(ValueError):
     """Loss, weights, buffers or optimizer state became NaN/inf; the last good checkpoint is kept."""
 
     exit_code = EXIT_DIVERGED
+
+
+class MissingExtra(ImportError):
+    """An optional package is not installed; the message names the ``pip install`` that adds it (exit 2)."""

@@ -20,21 +20,22 @@ def _train_while_the_folder_goes_away(info, out: str) -> tuple[str, str, int]:
     from torch.utils.data import TensorDataset
 
     from gputrain import Trainer
-    from gputrain.hooks.base import Hook
+    from gputrain.engine.hooks import Hook
 
     class TakeTheFolderAway(Hook):
         """On rank 0, before the first save (step 2): a file stands where the checkpoint folder goes (put there by
         hand, say), so that save, in the background, fails."""
 
-        def after_step(self, trainer, logs):
-            if info.rank == 0 and trainer.state.global_step == 2:
-                trainer.checkpoints.folder.write_text("not a folder")
+        def after_step(self, ctx, logs):
+            if info.rank == 0 and ctx.state.global_step == 2:
+                (ctx.out / "checkpoints").write_text("not a folder")
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(24, 8, generator=g)
     torch.manual_seed(0)
     trainer = Trainer(strategy="ddp", devices=2, accelerator="cpu", progress_bar=False, loggers=[], batch_size=2,
                       epochs=1, out=out, checkpoint_every_n_steps=2, checkpoint_every_n_epochs=0, pictures=0,
+                      async_checkpoint=True,
                       hooks=[TakeTheFolderAway()])
     try:
         trainer.fit(nn.Linear(8, 4), TensorDataset(x, x[:, :4]), loss=F.mse_loss)

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from checkpoint_helpers import HeldSave
 from gputrain.checkpoint import CheckpointStore, load_checkpoint, remove_stale_temporaries, verify
 
 _DISK_CALLS = (os.open, os.fsync, os.link, os.replace, os.unlink)
@@ -157,13 +158,12 @@ def test_kill_at_many_instants_during_a_large_save(tmp_path):
         remove_stale_temporaries(tmp_path)
 
 
-def _async_save_then_hold(folder: Path, fifo: Path, conn: Connection) -> None:
-    """Child: hand step 3 to the background writer, which pauses inside torch.save on ``fifo``; then keep 'training'."""
-    from gputrain.checkpoint_writer import CheckpointWriter
+def _async_save_then_hold(folder: Path, held: HeldSave, conn: Connection) -> None:
+    """Child: hand step 3 to the background writer, which pauses inside its write (``held``); then keep 'training'."""
+    from gputrain.checkpoint.snapshot import CheckpointWriter
 
-    os.environ["GPUTRAIN_TEST_PAUSE_SAVE"] = str(fifo)
     state = _state(3)
-    path = CheckpointWriter(CheckpointStore(folder, keep_last=2, monitor="val/loss")).save(
+    path = CheckpointWriter(CheckpointStore(folder, keep_last=2, monitor="val/loss"), write=held.write).save(
         state, name="step_000003", metrics={"val/loss": 0.5})
     state["model"]["w"].add_(1.0)  # the next step, while the writer is still inside the write
     conn.send(str(path))
@@ -175,16 +175,16 @@ def test_kill_while_the_background_writer_is_inside_a_save(tmp_path):
     store = CheckpointStore(folder, keep_last=2, monitor="val/loss")
     store.save(_state(1), name="step_000001", metrics={"val/loss": 2.0})
     store.save(_state(2), name="step_000002", metrics={"val/loss": 1.0})
-    fifo = tmp_path / "hold.fifo"
-    os.mkfifo(fifo)
+    held = HeldSave(tmp_path, "inside")
+    fifo = held.fifo
     receive, send = _FORK.Pipe()
-    child = _FORK.Process(target=_async_save_then_hold, args=(folder, fifo, send))
+    child = _FORK.Process(target=_async_save_then_hold, args=(folder, held, send))
     child.start()
     try:
         assert receive.poll(60), "the child's save did not return while its writer was held"
         assert receive.recv() == str(folder / "step_000003.pt")  # save returned: the step goes on
         end = None
-        while end is None and child.is_alive():  # the writer opens its end once it is inside torch.save
+        while end is None and child.is_alive():  # the writer opens its end once it is inside its write
             try:
                 end = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
             except OSError:

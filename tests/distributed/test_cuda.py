@@ -8,8 +8,7 @@ import torch
 from autoencoder_runs import _Images, _max_diff, _train
 from gputrain.dist import DistInfo
 from gputrain.precision import build_precision
-from gputrain.strategies import DataParallel
-from gputrain.strategies.dp import check_targets_on_output_device
+from gputrain.strategies.dp import DataParallel, check_targets_on_output_device
 
 pytestmark = pytest.mark.cuda
 CUDA0 = torch.device("cuda", 0)
@@ -73,7 +72,7 @@ def test_mixed_precision_on_gpu(name):
 
 
 def test_mixed_resolves_to_this_gpus_fastest_mixed_precision():
-    from gputrain.fast_path import resolve_precision
+    from gputrain.config.resolve import resolve_precision
 
     expected = "bf16-mixed" if torch.cuda.is_bf16_supported(including_emulation=False) else "16-mixed"
     assert resolve_precision("mixed", CUDA0) == expected
@@ -83,7 +82,7 @@ def test_mixed_resolves_to_this_gpus_fastest_mixed_precision():
 def test_async_checkpoint_copies_cuda_state_to_pinned_buffers_before_the_step(tmp_path):
     """The writer's CUDA path: non-blocking copies into pinned host buffers, ordered before later kernels."""
     from gputrain.checkpoint import CheckpointStore, load_checkpoint
-    from gputrain.checkpoint_writer import CheckpointWriter
+    from gputrain.checkpoint.snapshot import CheckpointWriter
 
     writer = CheckpointWriter(CheckpointStore(tmp_path))
     weights = torch.arange(1 << 20, dtype=torch.float32, device=CUDA0)

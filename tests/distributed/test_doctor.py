@@ -21,7 +21,7 @@ from torch.utils.data import Dataset
 from gputrain.config import load_config
 from gputrain.tasks.base import Task
 from gputrain.tasks.spec import TaskSpec
-from gputrain.tools.doctor import run_doctor
+from gputrain.tools.diagnose.doctor import run_doctor
 
 pytestmark = pytest.mark.slow
 N = 48

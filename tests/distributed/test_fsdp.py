@@ -13,16 +13,10 @@ from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 from torch.utils.data import TensorDataset
 
 from gputrain import Trainer
+from gputrain.checkpoint.sharded import dcp_to_full, load_sharded, save_sharded
 from gputrain.config import OptimConfig, RunConfig
 from gputrain.dist import DistInfo
-from gputrain.strategies.fsdp import FSDP, shard_units
-from gputrain.strategies.fsdp_checkpoint import (
-    dcp_to_full,
-    load_sharded,
-    optimizer_state_by_fqn,
-    optimizer_state_by_index,
-    save_sharded,
-)
+from gputrain.strategies.fsdp import FSDP, optimizer_state_by_fqn, optimizer_state_by_index, shard_units
 from gputrain.strategies.single import SingleDevice
 from gputrain.tasks.base import Task
 from multiproc import run_ranks

@@ -80,7 +80,7 @@ def test_an_uncaught_failure_under_launch_is_a_few_lines(tmp_path):
     done = _script(tmp_path, "uncaught")
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 1 and len(lines) <= 12, done.stderr
-    assert re.match(r"gputrain\.launch\.WorkerFailed: rank 1: ValueError: rank one refuses this model \(full "
+    assert re.match(r"gputrain\.launcher\.worker_errors\.WorkerFailed: rank 1: ValueError: rank one refuses this model \(full "
                     r"traceback in .*failures\.log\)$", lines[-1]), lines[-1]
 
 
@@ -90,7 +90,7 @@ def test_an_uncaught_failure_under_launch_is_a_few_lines(tmp_path):
 def test_a_rank_that_cannot_start_leaves_none_of_the_others_running(monkeypatch):
     """Out of processes or files at the second rank's fork: the first rank (a real process) must not be left
     waiting for a peer that never comes."""
-    from gputrain import direct_launch
+    from gputrain.launcher import direct as direct_launch
 
     started = []
     real_popen = subprocess.Popen
@@ -137,8 +137,8 @@ def test_when_a_rank_fails_the_launcher_stops_the_others_with_sigterm(tmp_path, 
     """Over gloo a peer usually dies of the lost connection anyway; a rank busy outside a collective (data loading,
     a long evaluation, a hook) does not, and must get SIGTERM (then SIGKILL) rather than run on alone. The rank
     that failed is the one reported, not the one that left, as asked, with 143."""
-    from gputrain.direct_launch import run_direct
     from gputrain.errors import EXIT_FAILED
+    from gputrain.launcher.direct import run_direct
 
     (tmp_path / "fake_rank.py").write_text(FAKE_RANK)
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))

@@ -19,7 +19,6 @@ from gputrain.dist import DistInfo
 from gputrain.metrics.classification import ClassificationEvaluator
 from gputrain.metrics.detection import CocoEvaluator
 from gputrain.metrics.segmentation import SegmentationEvaluator, miou_from_confusion
-from gputrain.strategies import DDP, SingleDevice
 from multiproc import run_ranks
 
 N_CLS, N_SEG, N_COCO = 359, 7, 5
@@ -110,7 +109,7 @@ def _batches(indices: list[int], size: int) -> list[list[int]]:
 # -- the evaluation, run by 1 process in the test and by each of 2 ranks -------------------
 def evaluate_all(info: DistInfo, gt_path: str, out_dir: str) -> dict[str, dict[str, float]]:
     torch.set_num_threads(1)
-    strategy = (DDP if info.world_size > 1 else SingleDevice)(info)
+    device = info.device  # where the statistics are reduced (the collectives are gputrain.dist.comm's)
     rank, ws = info.rank, info.world_size
     out: dict[str, dict[str, float]] = {}
 
@@ -120,7 +119,7 @@ def evaluate_all(info: DistInfo, gt_path: str, out_dir: str) -> dict[str, dict[s
         ev = ClassificationEvaluator(10)
         for b in _batches(indices, 32):
             ev.update(logits[b], labels[b], F.cross_entropy(logits[b], labels[b]), len(b))
-        out[name] = ev.compute(strategy)
+        out[name] = ev.compute(device)
 
     seg_logits, seg_targets = _segmentation_data()
     seg = SegmentationEvaluator(5)
@@ -131,13 +130,13 @@ def evaluate_all(info: DistInfo, gt_path: str, out_dir: str) -> dict[str, dict[s
             F.cross_entropy(seg_logits[b], seg_targets[b], ignore_index=255),
             len(b),
         )
-    out["seg"] = seg.compute(strategy)
+    out["seg"] = seg.compute(device)
 
     coco = CocoEvaluator(gt_path, label_to_category=CATEGORIES)
     image_ids = [i + 1 for i in eval_shard(N_COCO, rank, ws)]
     for b in _batches(image_ids, 2):
         coco.update([_detections(i) for i in b], [{"image_id": torch.tensor(i)} for i in b], None, len(b))
-    out["coco"] = coco.compute(strategy, out_dir=out_dir)
+    out["coco"] = coco.compute(device, out_dir=out_dir)
     return out
 
 
@@ -217,7 +216,7 @@ def test_coco_empty_predictions_give_zero_map(tmp_path):
     ev = CocoEvaluator(str(gt_path), label_to_category=CATEGORIES)
     empty = _detections(4)
     ev.update([empty, empty], [{"image_id": 1}, {"image_id": 2}], None, 2)
-    metrics = ev.compute(SingleDevice(DistInfo()), out_dir=tmp_path)
+    metrics = ev.compute(torch.device("cpu"), out_dir=tmp_path)
     assert metrics == {"images": 2.0, "bbox_mAP": 0.0, "bbox_mAP50": 0.0, "segm_mAP": 0.0, "segm_mAP50": 0.0}
     assert json.loads((tmp_path / "predictions.json").read_text()) == []
 

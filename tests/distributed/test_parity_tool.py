@@ -15,13 +15,14 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import TensorDataset
 
+from gputrain.cli import main
 from gputrain.config import load_config
 from gputrain.data.imagefolder import make_frames
-from gputrain.hooks.base import Hook
+from gputrain.engine.hooks import Hook
 from gputrain.tasks.base import Task
 from gputrain.tasks.spec import TaskSpec
+from gputrain.tools.diagnose.parity import build_from_config, check_parity
 from gputrain.tools.make_data import make_dataset
-from gputrain.tools.parity import build_from_config, check_parity, main
 
 pytestmark = pytest.mark.slow
 
@@ -64,14 +65,21 @@ def build_rank_drop() -> TaskSpec:
 
 
 class NoSetEpoch(Hook):
-    """Planted fault: the training sampler's set_epoch becomes a no-op, as in a strategy that forgets it."""
+    """Planted fault: the training sampler's set_epoch becomes a no-op, as in a strategy that forgets it (in this
+    mode's process only, put back when the mode ends)."""
 
-    def before_fit(self, trainer) -> None:
-        loader = trainer.train_loader
-        for sampler in (getattr(trainer, "batch_sampler", None), getattr(loader, "batch_sampler", None),
-                        getattr(loader, "sampler", None)):
-            if sampler is not None and hasattr(sampler, "set_epoch"):
-                sampler.set_epoch = lambda *args, **kwargs: None
+    def before_fit(self, ctx) -> None:
+        from gputrain.data.samplers import StepBatchSampler
+
+        self.real = StepBatchSampler.set_epoch
+        StepBatchSampler.set_epoch = lambda *args, **kwargs: None  # type: ignore[method-assign]
+
+    def after_fit(self, ctx, summary) -> None:
+        from gputrain.data.samplers import StepBatchSampler
+
+        StepBatchSampler.set_epoch = self.real  # type: ignore[method-assign]
+
+    on_exception = after_fit  # type: ignore[assignment]
 
 
 def tiny_config(recipe: str, folder) -> tuple:
@@ -99,7 +107,7 @@ def _row(report, mode):
 
 def test_parity_passes_on_the_tiny_autoencoder_recipe(tmp_path, capsys):
     frames = make_frames(tmp_path / "frames", count=32, size=40, videos=2)  # ConvAutoencoder: sides of 20k
-    code = main(["autoencoder", f"data.root={frames}", "trainer.batch_size=4", "--steps", "2"])
+    code = main(["parity", "autoencoder", f"data.root={frames}", "trainer.batch_size=4", "--steps", "2"])
     out = capsys.readouterr().out
     assert code == 0, out
     lines = {line.split()[0]: line for line in out.splitlines() if line.split()}

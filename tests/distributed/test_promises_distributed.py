@@ -30,7 +30,7 @@ from gputrain import Trainer
 from gputrain.checkpoint import load_checkpoint
 from gputrain.config import OptimConfig, RunConfig, SchedulerConfig
 from gputrain.dist import DistInfo
-from gputrain.hooks.base import Hook
+from gputrain.engine.hooks import Hook, RunContext
 from gputrain.tasks.base import Task
 from multiproc import run_ranks
 
@@ -79,6 +79,9 @@ def train(out: Path, model: nn.Module, train_data: Any, val_data: Any = None, *,
     options: dict[str, Any] = dict(accelerator="cpu", progress_bar=False, loggers=[], log_every_n_steps=1,
                                    epochs=1, batch_size=4)
     t = Trainer(cfg, hooks=hooks, out=str(out), **(options | trainer))
+    for hook in hooks or []:
+        if isinstance(hook, CountGradAllReduce):
+            hook.trainer = t
     t.fit(model, train_data, val_data, loss=F.mse_loss)
     return t
 
@@ -98,8 +101,10 @@ class CountGradAllReduce(Hook):
     def __init__(self) -> None:
         self.calls = 0
         self.buckets: set[int] = set()
+        self.trainer: Trainer | None = None
+        """The trainer whose DDP wrapper gets the communication hook (a hook's context holds no wrapper)."""
 
-    def before_fit(self, trainer: Trainer) -> None:
+    def before_fit(self, ctx: RunContext) -> None:
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
         def hook(state, bucket):  # unannotated: DDP refuses a bucket annotation other than dist.GradBucket
@@ -107,7 +112,8 @@ class CountGradAllReduce(Hook):
             self.buckets.add(bucket.index())
             return allreduce_hook(None, bucket)  # None: the default process group
 
-        trainer.module.register_comm_hook(None, hook)  # trainer.module is the DDP wrapper
+        assert self.trainer is not None
+        self.trainer.module.register_comm_hook(None, hook)  # trainer.module is the DDP wrapper
 
 
 class CrashAfterStep(Hook):
@@ -116,8 +122,8 @@ class CrashAfterStep(Hook):
     def __init__(self, step: int) -> None:
         self.step = step
 
-    def after_step(self, trainer: Trainer, logs: dict[str, float] | None) -> None:
-        if trainer.state.global_step == self.step:
+    def after_step(self, ctx: RunContext, logs: dict[str, float] | None) -> None:
+        if ctx.state.global_step == self.step:
             raise Crash(f"planned crash after step {self.step}")
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 
-from gputrain.signals import PROBE_STEPS, StopRequest
+from gputrain.dist.stop import PROBE_STEPS, StopRequest
 from multiproc import run_ranks
 
 

@@ -13,7 +13,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from gputrain.dist import DistInfo
-from gputrain.launch import free_port
+from gputrain.launcher.spec import free_port
 from gputrain.nn.sync_batchnorm import CpuSyncBatchNorm, convert_sync_batchnorm, sync_batch_norm
 from multiproc import run_ranks
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from gputrain.cli import parse_args
-from gputrain.cli_parser import COMMON_FLAGS, PARITY_MODES
+from gputrain.cli.main import parse_args
+from gputrain.cli.parser import COMMON_FLAGS, PARITY_MODES
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 for _name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS", "GPUTRAIN_DEBUG"):
@@ -59,10 +59,17 @@ def test_tools_honour_data_root_and_refuse_a_missing_one_before_any_rank(command
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # no run folder, no runs/
 
 
-def test_parity_modes_in_the_parser_are_the_tools_modes():
-    from gputrain.tools.parity import MODES
+def test_parity_runs_one_mode_per_registered_strategy_with_the_strategys_own_shape():
+    """A new strategy is a parity mode without editing the tool: its processes, data parallelism and micro-batching
+    come from the registration and the class (known answers by hand for the built-in ones)."""
+    from gputrain.strategies import STRATEGIES
+    from gputrain.tools.diagnose.parity import MODES
 
-    assert tuple(MODES) == PARITY_MODES
+    assert tuple(MODES) == PARITY_MODES and set(PARITY_MODES) == {*STRATEGIES, "accumulation"}
+    shapes = {name: (m.processes, m.dp, m.micro_batched, m.batch_size(8)) for name, m in MODES.items()}
+    assert shapes == {"single": (1, 1, False, 8), "accumulation": (1, 1, True, 4), "ddp": (2, 2, False, 4),
+                      "dp": (1, 1, False, 8), "pipeline": (2, 1, True, 8), "fsdp": (2, 2, False, 4),
+                      "model_parallel": (1, 1, True, 8)}
 
 
 @pytest.mark.parametrize("argv,code,first", [

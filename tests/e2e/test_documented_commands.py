@@ -26,7 +26,8 @@ from pathlib import Path
 
 import pytest
 
-import gputrain.cli as cli
+import gputrain.cli.commands as cli_commands
+from gputrain.cli import main as cli_main
 from gputrain.tools.make_data import make_dataset
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -147,7 +148,7 @@ def _tiny(argv: tuple[str, ...], scratch: Path) -> list[str]:
 
 def _run(argv: list[str], capsys) -> tuple[int, str, str]:
     try:
-        code = cli.main(argv)
+        code = cli_main(argv)
     except SystemExit as exit_:  # --help, --version and usage errors leave through argparse
         code = int(exit_.code or 0)
     out, err = capsys.readouterr()
@@ -169,11 +170,11 @@ def test_every_documented_command_runs_as_written(page, sample_data, tmp_path, m
     sandbox = tmp_path / "sandbox"
     shutil.copytree(sample_data, sandbox / "data")
     monkeypatch.chdir(sandbox)
-    monkeypatch.setattr(cli, "_launch_or_run", _as_one_process)
-    monkeypatch.setattr("gputrain.tools.parity.cmd_parity", _recorded)
-    monkeypatch.setattr("gputrain.tools.doctor.cmd_doctor", _recorded)
-    monkeypatch.setattr("gputrain.tools.scale.scale_bench", _recorded)
-    monkeypatch.setattr("gputrain.tools.throughput.run_bench_throughput", _recorded)
+    monkeypatch.setattr(cli_commands, "_launch_or_run", _as_one_process)
+    monkeypatch.setattr("gputrain.tools.diagnose.parity.cmd_parity", _recorded)
+    monkeypatch.setattr("gputrain.tools.diagnose.doctor.cmd_doctor", _recorded)
+    monkeypatch.setattr("gputrain.tools.bench.scale.scale_bench", _recorded)
+    monkeypatch.setattr("gputrain.tools.bench.throughput.run_bench_throughput", _recorded)
     name = str(page.relative_to(ROOT))
     for setup in BEFORE.get(name, []):
         code, _, err = _run(_tiny(tuple(shlex.split(setup)), tmp_path), capsys)

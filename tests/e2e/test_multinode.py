@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from gputrain.data.imagefolder import make_frames
-from gputrain.launch import free_port
+from gputrain.launcher.spec import free_port
 
 pytestmark = pytest.mark.slow
 

@@ -169,7 +169,7 @@ def test_masks_of_images_of_other_shapes_are_whole_image_predictions_in_rows_and
 def test_output_names_stay_unique_where_a_numbered_stem_is_also_a_files_own(tmp_path: Path) -> None:
     """a/x.png, b/x.png, c/x_2.png and d/x.png: the second x is numbered x_2, so c's own x_2 must become x_2_2 and
     the third x x_3, never a second x_2 whose mask and overlay would overwrite b's."""
-    from gputrain.tools.predict import list_inputs
+    from gputrain.tools.predict.run import list_inputs
 
     for name in ("a/x.png", "b/x.png", "c/x_2.png", "c/y.png", "d/x.png"):
         (tmp_path / name).parent.mkdir(exist_ok=True)
@@ -272,8 +272,7 @@ def test_detections_take_the_annotation_files_ids(tmp_path: Path) -> None:
     from torchvision.io import write_jpeg
 
     from gputrain.tasks.detection import DetectionTask
-    from gputrain.tools.predict import list_inputs
-    from gputrain.tools.predict_write import write_predictions
+    from gputrain.tools.predict.run import list_inputs
 
     for name in ("img_3.jpg", "img_5.jpg", "new.jpg"):
         write_jpeg(torch.full((3, 16, 16), 90, dtype=torch.uint8), str(tmp_path / name))
@@ -284,7 +283,8 @@ def test_detections_take_the_annotation_files_ids(tmp_path: Path) -> None:
     result = {"boxes": torch.tensor([[2.0, 2.0, 8.0, 8.0], [1.0, 1.0, 4.0, 5.0]]), "labels": torch.tensor([2, 1]),
               "scores": torch.tensor([0.9, 0.6]), "masks": masks}
     inputs = list_inputs([str(tmp_path / n) for n in ("new.jpg", "img_5.jpg", "img_3.jpg")])
-    write_predictions(task, inputs, {0: result, 1: result, 2: result}, tmp_path / "out")
+    (tmp_path / "out").mkdir()
+    task.write_predictions(inputs, [result, result, result], tmp_path / "out")
     entries = json.loads((tmp_path / "out/predictions.json").read_text())
     assert [e["image_id"] for e in entries] == [3, 3, 5, 5, 6, 6]  # sorted by id; new.jpg gets one past the file's
     assert [e["category_id"] for e in entries[:2]] == [9, 7]
@@ -325,15 +325,15 @@ def test_an_image_whose_name_the_annotation_file_holds_twice_gets_a_new_id(tmp_p
     from torchvision.io import write_jpeg
 
     from gputrain.tasks.detection import DetectionTask
-    from gputrain.tools.predict import list_inputs
-    from gputrain.tools.predict_write import write_predictions
+    from gputrain.tools.predict.run import list_inputs
 
     for name in ("img.jpg", "only.jpg"):
         write_jpeg(torch.full((3, 16, 16), 90, dtype=torch.uint8), str(tmp_path / name))
     task = DetectionTask(tmp_path / "instances.json", {1: 7}, class_names=["background", "cat"],
                          image_ids={"train/img.jpg": 4, "val/img.jpg": 7, "val/only.jpg": 2})
     result = {"boxes": torch.tensor([[2.0, 2.0, 8.0, 8.0]]), "labels": torch.tensor([1]), "scores": torch.tensor([0.9])}
-    write_predictions(task, list_inputs([str(tmp_path / "img.jpg"), str(tmp_path / "only.jpg")]),
-                      {0: result, 1: result}, tmp_path / "out")
+    (tmp_path / "out").mkdir()
+    task.write_predictions(list_inputs([str(tmp_path / "img.jpg"), str(tmp_path / "only.jpg")]), [result, result],
+                           tmp_path / "out")
     entries = json.loads((tmp_path / "out/predictions.json").read_text())
     assert [(e["image_id"], e["category_id"]) for e in entries] == [(2, 7), (8, 7)]

@@ -64,7 +64,7 @@ def test_bench_throughput_prints_a_table_and_writes_the_json_keys(tmp_path):
 def test_flops_are_counted_on_the_float_image_and_nothing_is_written_where_the_command_runs(tmp_path, monkeypatch):
     from gputrain.data.classfolder import make_classfolder
     from gputrain.data.coco_sample import make_coco
-    from gputrain.tools.throughput import flops_per_image
+    from gputrain.tools.bench.throughput import flops_per_image
 
     classes = make_classfolder(tmp_path / "classes", classes=2, per_class=4, size=32, seed=0)
     coco = make_coco(tmp_path / "coco", num_images=6, size=64)
@@ -108,7 +108,7 @@ def test_synthetic_training_serves_every_index_from_the_first_eight_real_samples
         t.fit(nn.Linear(4, 1), data, loss=F.mse_loss)
         assert data.reads == list(range(kept)), f"N={n}: indices read"  # the first min(8, N) once, nothing else
         assert t.state.samples_seen == 2 * n  # every index of both epochs was trained on
-        served = torch.cat([x for x, _ in t.train_loader])  # one more epoch's batches, as the loop gets them
+        served = torch.cat([x for x, _ in t.loop.train_loader])  # one more epoch's batches, as the loop gets them
         assert len(served) == n and all(any(torch.equal(row, real) for real in data.x[:kept]) for row in served)
         assert {int(row[0]) // 4 for row in served} == set(range(kept))  # every kept sample is served
 
@@ -128,7 +128,7 @@ def _records(windows_by_epoch: list[list[float]]) -> list[dict]:
 def test_throughput_is_the_median_of_the_windows_after_the_first_epoch():
     """issue 28 item 6: with two timed epochs the "median" was the larger one. Planted faults: the first epoch's
     windows are counted; the upper middle value stands for the median."""
-    from gputrain.tools.throughput import steady
+    from gputrain.tools.bench.throughput import steady
 
     records = _records([[1.0, 1.0, 1.0], [10.0, 20.0], [30.0, 40.0]])  # the first epoch (warm-up) is not timed
     assert steady(records, "train/images_per_s") == (25.0, 4)
@@ -136,7 +136,7 @@ def test_throughput_is_the_median_of_the_windows_after_the_first_epoch():
 
 
 def test_impossible_or_rough_figures_come_with_a_caution_saying_why(tmp_path):
-    from gputrain.tools.throughput import Throughput, cautions, table
+    from gputrain.tools.bench.throughput import Throughput, cautions, table
 
     result = Throughput(recipe="r", device="cpu", precision="32", batch_size=8, train_images_per_s=103.0,
                         synthetic_train_images_per_s=10.0, input_bound_ratio=10.3, eval_images_per_s=None,
@@ -153,7 +153,7 @@ def test_impossible_or_rough_figures_come_with_a_caution_saying_why(tmp_path):
 
 def test_bench_folders_are_named_for_their_benchmark(tmp_path, monkeypatch):
     """Its runs landed in runs/scale-* (issue 28 item 6)."""
-    from gputrain.tools.scale import _out_folder
+    from gputrain.tools.bench.scale import _out_folder
 
     monkeypatch.chdir(tmp_path)
     assert _out_folder(None, False, "throughput").parent.resolve() == tmp_path.resolve() / "runs"

@@ -12,7 +12,7 @@ import torch
 
 from gputrain.config import load_config
 from gputrain.dist import launched_env
-from gputrain.launch import LaunchSpec, torchrun_args
+from gputrain.launcher.spec import LaunchSpec, torchrun_args
 from gputrain.tasks import build_task
 from gputrain.tools.train import train_from_config
 

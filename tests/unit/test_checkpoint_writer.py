@@ -1,18 +1,14 @@
 """Checkpoints written in a background thread (trainer.async_checkpoint): same content, same safety.
 
 * Async and sync runs write checkpoints that load to the same state, file for file.
-* The state is copied before ``save`` returns: a step that updates the weights in place while the
-  thread is inside the write does not reach the file (the thread is held mid-write on a FIFO the
-  test controls, ``GPUTRAIN_TEST_PAUSE_SAVE``, so the order is fixed, not timed).
-* ``fit`` returns with every checkpoint on disk and the writer idle; a resume from an async
-  checkpoint ends bitwise equal to the uninterrupted run.
+* The state is copied before ``save`` returns: a step that updates the weights in place while the thread is held
+  before its write does not reach the file (the thread is held on a FIFO the test controls through the ``write``
+  it injects, so the order is fixed, not timed).
+* ``fit`` returns with every checkpoint on disk and the writer idle; a resume from an async checkpoint ends
+  bitwise equal to the uninterrupted run.
 * A save that fails in the thread fails the next save (or the end) with one line naming the file.
-* Parameters and optimizer state are copied by the thread during the next step's forward and backward;
-  the optimizer step waits for that copy, and a tensor changed in place before it (a forward that writes a
-  trainable parameter) means that checkpoint is skipped with a warning naming it, never written mixed.
-* Rotated-out files are overwritten by later saves; none is left behind when training ends.
-* With ``asynchronous=False`` the file is on disk when ``save`` returns and a failure raises there; an entry
-  a resume could not load is refused at ``save``, in the caller's thread, either way.
+* With ``asynchronous=False`` the file is on disk when ``save`` returns and a failure raises there; an entry a
+  resume could not load is refused at ``save``, in the caller's thread, either way.
 * A failed save names the newest whole checkpoint; a skipped non-finite one warns once per run.
 * A signal's stop names its checkpoint only once the file is on disk.
 
@@ -39,10 +35,10 @@ from torch.utils.data import TensorDataset
 from checkpoint_helpers import HeldSave, assert_same_state
 from gputrain import Trainer
 from gputrain.checkpoint import CheckpointStore, load_checkpoint
-from gputrain.checkpoint_io import PAUSE_ENV, read_manifest
-from gputrain.checkpoint_writer import CheckpointWriteError, CheckpointWriter
+from gputrain.checkpoint.manifest import read_manifest
+from gputrain.checkpoint.snapshot import CheckpointWriteError, CheckpointWriter
 from gputrain.config import OptimConfig, RunConfig
-from gputrain.hooks.base import Hook
+from gputrain.engine.hooks import Hook, RunContext
 
 
 def _fit(out: Path, model: nn.Module | None = None, **trainer: Any) -> Trainer:
@@ -61,7 +57,7 @@ def _fit(out: Path, model: nn.Module | None = None, **trainer: Any) -> Trainer:
 def test_async_and_sync_checkpoints_load_to_the_same_state(tmp_path):
     fast = _fit(tmp_path / "async", async_checkpoint=True)
     slow = _fit(tmp_path / "sync", async_checkpoint=False)
-    assert fast.checkpoint_writer.asynchronous and not slow.checkpoint_writer.asynchronous
+    assert fast.checkpointer.writer.asynchronous and not slow.checkpointer.writer.asynchronous
     names = sorted(p.name for p in (tmp_path / "async" / "checkpoints").glob("*.pt"))
     assert names == sorted(p.name for p in (tmp_path / "sync" / "checkpoints").glob("*.pt"))
     assert names == ["epoch_0001.pt", "epoch_0002.pt", "last.pt", "step_000001.pt", "step_000002.pt",
@@ -72,7 +68,7 @@ def test_async_and_sync_checkpoints_load_to_the_same_state(tmp_path):
         config_a, config_b = a.pop("config"), b.pop("config")
         assert_same_state(a, b)
         for config in (config_a, config_b):  # the only differences: where, and which way, it was written
-            for key in ("out", "async_checkpoint", "checkpoint_process"):
+            for key in ("out", "async_checkpoint"):
                 config["trainer"].pop(key)
         assert config_a == config_b
     listed = [{n: (e["seq"], e["step"], e["epoch"], e.get("same_as")) for n, e in read_manifest(folder)["files"].items()}
@@ -83,7 +79,7 @@ def test_async_and_sync_checkpoints_load_to_the_same_state(tmp_path):
 def test_fit_returns_with_every_checkpoint_on_disk(tmp_path):
     """Planted fault: the end of training does not wait for the writer."""
     t = _fit(tmp_path, async_checkpoint=True)
-    assert t.checkpoint_writer.idle  # the last save was collected, its error (if any) raised
+    assert t.checkpointer.writer.idle  # the last save was collected, its error (if any) raised
     manifest = read_manifest(tmp_path / "checkpoints")
     assert manifest["pending"] == {} and manifest["files"]["last.pt"]["step"] == t.state.global_step == 6
     assert load_checkpoint(tmp_path / "checkpoints" / "last.pt")["state"]["global_step"] == 6
@@ -99,10 +95,10 @@ def test_resume_from_an_async_checkpoint_equals_the_uninterrupted_run(tmp_path):
         assert torch.equal(value, resumed.module.state_dict()[key]), key
 
 
-def test_the_step_cannot_change_a_checkpoint_being_written(tmp_path, monkeypatch):
+def test_the_step_cannot_change_a_checkpoint_being_written(tmp_path):
     """Planted fault: the state is not copied before save returns (the step then mutates it)."""
-    held = HeldSave(tmp_path, monkeypatch)
-    writer = CheckpointWriter(CheckpointStore(tmp_path / "checkpoints"))
+    held = HeldSave(tmp_path)
+    writer = CheckpointWriter(CheckpointStore(tmp_path / "checkpoints"), write=held.write)
     weights = torch.arange(1000, dtype=torch.float32)
     momentum = {"state": {0: {"momentum_buffer": torch.ones(10)}}, "param_groups": [{"lr": 0.1, "params": [0]}]}
     state = {"model": {"w": weights, "tied": weights}, "optimizer": momentum, "state": {"global_step": 1}}
@@ -120,15 +116,15 @@ def test_the_step_cannot_change_a_checkpoint_being_written(tmp_path, monkeypatch
     assert saved["optimizer"]["param_groups"][0]["lr"] == 0.1
 
 
-def test_a_failed_background_save_fails_the_next_save_in_one_line(tmp_path, monkeypatch):
-    held = HeldSave(tmp_path, monkeypatch)
+def test_a_failed_background_save_fails_the_next_save_in_one_line(tmp_path):
+    held = HeldSave(tmp_path)
     store = CheckpointStore(tmp_path / "checkpoints")
-    writer = CheckpointWriter(store)
+    writer = CheckpointWriter(store, write=held.write)
     writer.save({"model": {}, "state": {"global_step": 1}}, name="step_000001")
     held.reached()
     shutil.rmtree(store.folder)  # the folder vanishes under the write (an unmounted disk, say)
     held.release()
-    monkeypatch.delenv(PAUSE_ENV)
+    writer.write = CheckpointWriter(store).write  # the next saves are not held
     with pytest.raises(CheckpointWriteError) as caught:
         writer.save({"model": {}, "state": {"global_step": 2}}, name="step_000002")
     message = str(caught.value)
@@ -143,12 +139,13 @@ def test_a_failed_background_save_fails_the_next_save_in_one_line(tmp_path, monk
 
 
 class _BreakTheLastEpochsSave(Hook):
-    """Before the last epoch, point the writer at a folder that cannot exist (under a file)."""
+    """Before the last epoch, move the checkpoint folder away and leave a file in its place (no folder can be made)."""
 
-    def before_epoch(self, trainer: Trainer) -> None:
-        if trainer.state.epoch == trainer.cfg.trainer.epochs - 1:
-            (trainer.out / "a-file").write_text("")
-            trainer.checkpoint_writer.store = CheckpointStore(trainer.out / "a-file" / "checkpoints")
+    def before_epoch(self, ctx: RunContext) -> None:
+        if ctx.state.epoch == ctx.cfg.trainer.epochs - 1:
+            ctx.wait_for_checkpoints()  # epoch 1's save is on disk before its folder moves
+            (ctx.out / "checkpoints").rename(ctx.out / "moved")
+            (ctx.out / "checkpoints").write_text("")
 
 
 def test_a_failed_last_save_fails_the_end_of_training_in_one_line(tmp_path):
@@ -157,17 +154,17 @@ def test_a_failed_last_save_fails_the_end_of_training_in_one_line(tmp_path):
         _fit(tmp_path, async_checkpoint=True, checkpoint_every_n_steps=0, hooks=[_BreakTheLastEpochsSave()])
     message = str(caught.value)
     assert "\n" not in message
-    assert message.startswith(f"checkpoint {tmp_path / 'a-file' / 'checkpoints' / 'epoch_0002.pt'} was not written")
-    assert load_checkpoint(tmp_path / "checkpoints" / "epoch_0001.pt")["state"]["epoch"] == 1  # the one before
+    assert message.startswith(f"checkpoint {tmp_path / 'checkpoints' / 'epoch_0002.pt'} was not written")
+    assert load_checkpoint(tmp_path / "moved" / "epoch_0001.pt")["state"]["epoch"] == 1  # the one before
 
 
-def test_the_next_save_reuses_the_host_buffers_only_after_the_previous_one_is_on_disk(tmp_path, monkeypatch):
+def test_the_next_save_reuses_the_host_buffers_only_after_the_previous_one_is_on_disk(tmp_path):
     """The snapshot's host buffers are reused by the next save (no fresh 135 MB allocation per save), and only
     once the save that holds them has been written. Planted fault: ``save`` does not wait for the one in flight."""
     import threading
 
-    held = HeldSave(tmp_path, monkeypatch)
-    writer = CheckpointWriter(CheckpointStore(tmp_path / "checkpoints"))
+    held = HeldSave(tmp_path)
+    writer = CheckpointWriter(CheckpointStore(tmp_path / "checkpoints"), write=held.write)
     weights = torch.arange(1000, dtype=torch.float32)
     writer.save({"model": {"w": weights}, "state": {"global_step": 1}}, name="step_000001")
     first = [b.data_ptr() for b in writer._buffers]
@@ -190,136 +187,49 @@ def test_the_next_save_reuses_the_host_buffers_only_after_the_previous_one_is_on
     assert torch.equal(load_checkpoint(folder / "step_000002.pt")["model"]["w"], torch.arange(1000, dtype=torch.float32) + 1)
 
 
-def _hold_deferred_copies(monkeypatch: pytest.MonkeyPatch, seconds: float = 0.3) -> None:
-    """The writer thread's copy of the weights starts ``seconds`` late, so whatever does not wait for it goes first."""
-    import threading
-
-    from gputrain import checkpoint_writer
-
-    copy = checkpoint_writer._Deferred.copy
-
-    def held_copy(self: Any) -> None:
-        release = threading.Event()
-        threading.Timer(seconds, release.set).start()
-        release.wait()
-        copy(self)
-
-    monkeypatch.setattr(checkpoint_writer._Deferred, "copy", held_copy)
+def _layouts(step: int) -> dict[str, Any]:
+    w = torch.arange(12, dtype=torch.float32).reshape(3, 4) + step
+    return {"model": {"w": w, "tied": w, "every_other": w[:, ::2], "transposed": w.t(), "empty": torch.empty(0, 3),
+                      "half": torch.full((5,), 0.5 + step, dtype=torch.bfloat16), "flag": torch.tensor(step % 2 == 0),
+                      "image": torch.rand(2, 3, 4, 5, generator=torch.Generator().manual_seed(step)).contiguous(
+                          memory_format=torch.channels_last)},
+            "state": {"global_step": step, "epoch": 0}}
 
 
-def test_the_optimizer_step_waits_for_the_thread_to_copy_the_weights(tmp_path, monkeypatch):
-    """The thread is held before its copy for 0.3 s (a step of this model takes about a millisecond), so an
-    optimizer step that did not wait would change the weights first. Planted fault: no settle() before the step
-    (the copy would take the next step's weights, or the version check would skip the save)."""
-    _hold_deferred_copies(monkeypatch)
-    fast = _fit(tmp_path / "async", async_checkpoint=True, epochs=1)
-    monkeypatch.undo()
-    slow = _fit(tmp_path / "sync", async_checkpoint=False, epochs=1)
-    assert fast.checkpoint_writer.defer_copies  # nothing was changed early: the deferred copies stayed on
-    names = sorted(p.name for p in (tmp_path / "async" / "checkpoints").glob("*.pt"))
-    assert names == sorted(p.name for p in (tmp_path / "sync" / "checkpoints").glob("*.pt"))
-    assert "step_000001.pt" in names and "step_000002.pt" in names
-    for name in names:
-        a = load_checkpoint(tmp_path / "async" / "checkpoints" / name)
-        b = load_checkpoint(tmp_path / "sync" / "checkpoints" / name)
-        assert_same_state(a["model"], b["model"])
-        assert_same_state(a["optimizer"], b["optimizer"])
-    assert slow.state.global_step == fast.state.global_step
-
-
-class _WritesItsWeightInForward(nn.Module):
-    """A layer whose forward rescales a trainable parameter in place (as weight-normalising code may)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(4, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        with torch.no_grad():
-            self.lin.weight.mul_(1.0)  # same values, but an in-place write the version counter sees
-        return self.lin(x)
-
-
-def test_a_forward_that_writes_a_trainable_parameter_skips_that_checkpoint_with_one_warning(tmp_path, capsys):
-    """The first step checkpoint is copied in the background; the next forward writes the weight before the copy
-    is settled, so that checkpoint could mix two states: it is not written, one warning names the entry, and
-    every later save copies in the step and is written. Planted fault: settle() does not compare versions."""
-    torch.manual_seed(0)
-    t = _fit(tmp_path, model=_WritesItsWeightInForward(), async_checkpoint=True, epochs=1)
-    warnings = [line for line in capsys.readouterr().err.splitlines() if "was not written" in line]
-    assert len(warnings) == 1, warnings
-    assert warnings[0].startswith(f"gputrain: warning: checkpoint {tmp_path / 'checkpoints' / 'step_000001.pt'} "
-                                  "was not written: state['model']['lin.weight'] was changed in place")
-    assert not t.checkpoint_writer.defer_copies
-    names = sorted(p.name for p in (tmp_path / "checkpoints").glob("*.pt"))
-    assert names == ["epoch_0001.pt", "last.pt", "step_000002.pt"]  # step 1 skipped, the rest whole
-    assert load_checkpoint(tmp_path / "checkpoints" / "step_000002.pt")["state"]["global_step"] == 2
-    assert read_manifest(tmp_path / "checkpoints")["pending"] == {}
+def test_two_saves_of_one_layout_reuse_every_buffer_views_included(tmp_path):
+    """Views of bigger tensors (every other column, a transpose) get buffers of their own strides; those are reused
+    too, and each save is written whole. Planted fault: a view's buffer allocated anew at every save."""
+    writer = CheckpointWriter(CheckpointStore(tmp_path))
+    writer.save(_layouts(1), name="step_000001")
+    writer.wait()
+    buffers = list(writer._buffers)
+    writer.save(_layouts(2), name="step_000002")
+    writer.wait()
+    assert all(a is b for a, b in zip(writer._buffers, buffers, strict=True))
+    assert_same_state(load_checkpoint(tmp_path / "step_000002.pt"), _layouts(2))
+    assert_same_state(load_checkpoint(tmp_path / "step_000001.pt"), _layouts(1))
+    writer.close()
 
 
 class _FailAfter(Hook):
     def __init__(self, step: int) -> None:
         self.step = step
 
-    def after_step(self, trainer: Trainer, logs: Any) -> None:
-        if trainer.state.global_step == self.step:
+    def after_step(self, ctx: RunContext, logs: Any) -> None:
+        if ctx.state.global_step == self.step:
             raise RuntimeError("planted failure")
 
 
-def test_no_rotated_out_file_is_left_behind_when_training_ends_or_fails(tmp_path):
-    """Rotation keeps one retired file for the next save to overwrite; the end of fit, normal or not, deletes it.
-    Planted fault: the spare is not discarded after the last save."""
-    t = _fit(tmp_path / "ends", async_checkpoint=True, keep_last=2, epochs=3)
-    assert t.checkpoints.recycle
+def test_no_temporary_is_left_behind_when_training_ends_or_fails(tmp_path):
+    """Every file of a save is renamed into place or removed: a fit that ends, normally or not, leaves no hidden
+    temporary in the folder. Planted fault: the end of fit does not wait for the save in flight."""
+    _fit(tmp_path / "ends", async_checkpoint=True, keep_last=2, epochs=3)
     assert not [p.name for p in (tmp_path / "ends" / "checkpoints").iterdir() if p.name.startswith(".")]
     with pytest.raises(RuntimeError, match="planted failure"):
         _fit(tmp_path / "fails", async_checkpoint=True, keep_last=2, epochs=3, hooks=[_FailAfter(7)])
     folder = tmp_path / "fails" / "checkpoints"
     assert not [p.name for p in folder.iterdir() if p.name.startswith(".")]
     assert load_checkpoint(folder / "last.pt")["state"]["global_step"] == 6
-
-
-def test_an_interrupt_while_settling_neither_commits_an_unchecked_copy_nor_hangs_the_writer(tmp_path, monkeypatch):
-    """A second Ctrl-C can land in settle()'s wait for the thread's copy. The thread must still get a verdict
-    (else it, and every later wait(), blocks forever) and that verdict must be "do not commit": nobody compared
-    the versions. Planted fault: the verdict set only on the normal path."""
-    import threading
-
-    from gputrain import checkpoint_writer
-
-    release = threading.Event()
-    copy = checkpoint_writer._Deferred.copy
-
-    def held_copy(self: Any) -> None:
-        release.wait()
-        copy(self)
-
-    monkeypatch.setattr(checkpoint_writer._Deferred, "copy", held_copy)
-    store = CheckpointStore(tmp_path / "checkpoints")
-    writer = CheckpointWriter(store)
-    weights = torch.arange(10, dtype=torch.float32)
-    writer.save({"model": {"w": weights}, "state": {"global_step": 1}}, name="step_000001", volatile=[])
-
-    real_event = writer._deferred.copied
-
-    class _Interrupted:
-        def wait(self, timeout: float | None = None) -> bool:
-            raise KeyboardInterrupt  # what SIGINT's handler raises in the main thread
-
-        def set(self) -> None:  # the thread's side stays real
-            real_event.set()
-
-    writer._deferred.copied = _Interrupted()
-    with pytest.raises(KeyboardInterrupt):
-        writer.settle()
-    release.set()
-    done = threading.Thread(target=writer.wait, daemon=True)
-    done.start()
-    done.join(timeout=30)
-    assert not done.is_alive(), "wait() hangs: the thread never got a verdict"
-    assert real_event.is_set()
-    assert not (store.folder / "step_000001.pt").exists()
-    assert not [p.name for p in store.folder.iterdir() if p.name.endswith(".tmp")]
 
 
 def test_a_synchronous_writer_writes_in_the_callers_thread_and_fails_at_the_save(tmp_path):
@@ -337,6 +247,39 @@ def test_a_synchronous_writer_writes_in_the_callers_thread_and_fails_at_the_save
         writer.save({"model": {}, "state": {"global_step": 2}}, name="step_000002")
     assert writer.idle
     writer.wait()  # nothing left over to raise
+
+
+@pytest.mark.parametrize("asynchronous", [True, False], ids=["background", "synchronous"])
+def test_a_file_that_names_shards_is_committed_only_after_they_are_written(tmp_path, asynchronous):
+    """A sharded checkpoint's ``.pt`` names its DCP folder; committed before every rank's shards are on disk, a crash
+    there leaves a valid-looking checkpoint that cannot load, and a failed shard write must fail the save, not commit
+    it. Planted fault: the writer does not wait for the shards (the ``after`` future)."""
+    import threading
+    from concurrent.futures import Future
+
+    folder = tmp_path / "checkpoints"
+    writer = CheckpointWriter(CheckpointStore(folder), asynchronous=asynchronous)
+    shards: Future[None] = Future()
+    state = {"model": {}, "sharded": "step_000001.dcp", "state": {"global_step": 1}}
+    saving = threading.Thread(target=writer.save, args=(state,), kwargs={"name": "step_000001", "after": shards})
+    saving.start()
+    saving.join(timeout=0.5 if not asynchronous else 60)
+    writer_thread = writer._thread
+    if writer_thread is not None:
+        writer_thread.join(timeout=0.5)
+    assert not (folder / "step_000001.pt").exists() and not (folder / "manifest.json").exists()
+    shards.set_result(None)
+    saving.join(timeout=60)
+    writer.wait()
+    assert load_checkpoint(folder / "step_000001.pt")["sharded"] == "step_000001.dcp"
+
+    failed: Future[None] = Future()
+    failed.set_exception(OSError("rank 1 could not write its shards"))
+    state = {"model": {}, "sharded": "step_000002.dcp", "state": {"global_step": 2}}
+    with pytest.raises((OSError, CheckpointWriteError), match="rank 1 could not write its shards"):
+        writer.save(state, name="step_000002", after=failed)
+        writer.wait()
+    assert not (folder / "step_000002.pt").exists()
 
 
 def test_an_entry_a_resume_could_not_load_is_refused_at_the_save_in_the_callers_thread(tmp_path):
@@ -371,14 +314,15 @@ def test_a_non_finite_snapshot_is_skipped_with_one_warning_per_run(tmp_path, cap
     assert load_checkpoint(tmp_path / "checkpoints" / "step_000004.pt")["state"]["global_step"] == 4
 
 
-def test_a_failed_background_save_names_the_newest_whole_checkpoint(tmp_path, monkeypatch):
+def test_a_failed_background_save_names_the_newest_whole_checkpoint(tmp_path):
     """The error says where to resume from. The second save's temporary is deleted under the write (a cleanup
     script, say), so it fails after the first is on disk. Planted fault: the message names none."""
     store = CheckpointStore(tmp_path / "checkpoints")
     writer = CheckpointWriter(store)
     writer.save({"model": {"w": torch.ones(3)}, "state": {"global_step": 1}}, name="step_000001")
     writer.wait()
-    held = HeldSave(tmp_path, monkeypatch)
+    held = HeldSave(tmp_path, "after")
+    writer.write = held.write
     writer.save({"model": {"w": torch.zeros(3)}, "state": {"global_step": 2}}, name="step_000002")
     held.reached()
     (temporary,) = store.folder.glob(".step_000002.pt.*.tmp")
@@ -395,31 +339,31 @@ def test_a_failed_background_save_names_the_newest_whole_checkpoint(tmp_path, mo
 class _RescaleAfterEachEpoch(Hook):
     """A user hook that edits the weights in place after each epoch (weight clipping, an EMA swap)."""
 
-    def after_epoch(self, trainer: Trainer, metrics: Any) -> None:
+    def after_epoch(self, ctx: RunContext, metrics: Any) -> None:
         with torch.no_grad():
-            for p in trainer.module.parameters():
-                p.mul_(1.0)  # same values; the version counter sees the write
+            for p in ctx.model.parameters():
+                p.mul_(0.5)
 
 
-def test_a_hook_that_edits_the_weights_after_the_epoch_checkpoint_does_not_cost_that_checkpoint(tmp_path, capsys):
-    """The epoch checkpoint is saved by the checkpoint hook and copied by the thread; the loop settles that copy
-    before each later hook, so a user hook after it may change the weights. Planted fault: the copy settled only
-    after the last hook (the user's write lands first: that checkpoint is skipped, later ones copied in the step)."""
-    t = _fit(tmp_path, async_checkpoint=True, hooks=[_RescaleAfterEachEpoch()])
-    assert [line for line in capsys.readouterr().err.splitlines() if "was not written" in line] == []
-    assert t.checkpoint_writer.defer_copies
-    names = sorted(p.name for p in (tmp_path / "checkpoints").glob("*.pt"))
-    assert names == ["epoch_0001.pt", "epoch_0002.pt", "last.pt", "step_000001.pt", "step_000002.pt",
-                     "step_000004.pt", "step_000005.pt"]
-    assert load_checkpoint(tmp_path / "checkpoints" / "epoch_0001.pt")["state"]["epoch"] == 1
+def test_a_hook_that_edits_the_weights_after_the_epoch_checkpoint_does_not_reach_that_checkpoint(tmp_path):
+    """The epoch checkpoint is saved by the checkpoint hook and written by the thread; a user hook after it halves
+    the weights in place. The file holds the weights of the save, as a synchronous save writes them. Planted fault:
+    the state is handed to the thread without a copy."""
+    fast = _fit(tmp_path / "async", async_checkpoint=True, hooks=[_RescaleAfterEachEpoch()])
+    slow = _fit(tmp_path / "sync", async_checkpoint=False, hooks=[_RescaleAfterEachEpoch()])
+    for name in ("epoch_0001.pt", "epoch_0002.pt"):
+        a = load_checkpoint(tmp_path / "async" / "checkpoints" / name)
+        b = load_checkpoint(tmp_path / "sync" / "checkpoints" / name)
+        assert_same_state(a["model"], b["model"])
+    assert fast.state.global_step == slow.state.global_step
 
 
 class _SignalAtStep(Hook):
     def __init__(self, step: int) -> None:
         self.step = step
 
-    def after_step(self, trainer: Trainer, logs: Any) -> None:
-        if trainer.state.global_step == self.step:
+    def after_step(self, ctx: RunContext, logs: Any) -> None:
+        if ctx.state.global_step == self.step:
             os.kill(os.getpid(), signal.SIGUSR1)  # what SLURM sends before it kills a job; the loop's handler is set
 
 
@@ -439,11 +383,20 @@ class _CheckpointOnDiskWhenNamed(io.StringIO):
 
 def test_a_signal_stop_names_its_checkpoint_only_once_the_file_is_on_disk(tmp_path, monkeypatch):
     """The "interrupted ... (checkpoint PATH)" line tells the user (and SLURM's grace period) that it is safe to
-    go: the file must be there when it is printed. The thread's copy is held 0.3 s so that a line printed
+    go: the file must be there when it is printed. The thread's write is held 0.3 s so that a line printed
     without waiting comes first. Planted fault: the signal's save not waited for."""
+    import time
+
+    from gputrain.checkpoint import files
     from gputrain.errors import Interrupted
 
-    _hold_deferred_copies(monkeypatch)
+    write = files.write_temporary
+
+    def late_write(state: Any, folder: Path, name: str) -> Any:
+        time.sleep(0.3)
+        return write(state, folder, name)
+
+    monkeypatch.setattr(files, "write_temporary", late_write)  # what every writer of the run uses
     stdout = _CheckpointOnDiskWhenNamed()
     monkeypatch.setattr(sys, "stdout", stdout)
     with pytest.raises(Interrupted) as caught:

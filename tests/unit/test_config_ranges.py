@@ -13,14 +13,15 @@ from pathlib import Path
 import pytest
 
 import gputrain.config as config_module
+import gputrain.config.schema as schema_module
 from gputrain.config import RunConfig, builtin_recipes, load_config
-from gputrain.config_checks import INT32_MAX, RANGES, Range, range_of
+from gputrain.config.checks import INT32_MAX, RANGES, Range, range_of
 
 
 def _numeric_fields(cls: type, prefix: str = "") -> list[tuple[str, dataclasses.Field, type, bool]]:
     """(dotted name, field, number type, is a list) of every int/float field, from the annotations."""
     out = []
-    hints = typing.get_type_hints(cls, vars(config_module))
+    hints = typing.get_type_hints(cls, vars(schema_module))
     for f in dataclasses.fields(cls):
         hint, name = hints[f.name], f"{prefix}{f.name}"
         if dataclasses.is_dataclass(hint):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from gputrain.config import load_config
-from gputrain.data.workers import MAX_AUTO_WORKERS, resolve_num_workers
+from gputrain.config.resolve import MAX_AUTO_WORKERS, resolve_num_workers
 
 
 @pytest.mark.parametrize(("cores", "local", "want"), [
@@ -39,26 +39,32 @@ def test_a_run_with_auto_workers_loads_with_the_resolved_count_and_records_it(tm
 
     from gputrain import Trainer
     from gputrain.config import DataConfig, RunConfig
-    from gputrain.data.workers import usable_cores
+    from gputrain.config.resolve import usable_cores
 
     x = torch.randn(8, 4)
     t = Trainer(RunConfig(data=DataConfig(num_workers="auto")), strategy="single", accelerator="cpu",
                 progress_bar=False, loggers=[], batch_size=4, epochs=1, out=str(tmp_path), enable_checkpointing=False)
     t.fit(nn.Linear(4, 1), TensorDataset(x, x.sum(1, keepdim=True)), loss=F.mse_loss)
     want = resolve_num_workers("auto", cores=usable_cores(), local_processes=1)
-    assert t.train_loader.num_workers == want
+    assert t.loop.train_loader.num_workers == want
     assert yaml.safe_load((tmp_path / "config.yaml").read_text())["data"]["num_workers"] == want
 
 
 def test_a_trainer_divides_the_cores_by_the_processes_on_its_node(tmp_path, monkeypatch):
     """torchrun tells each rank how many processes share its node (LOCAL_WORLD_SIZE); 2 of them on 4 cores get 2
     workers each, not 4 (8 workers on 4 cores). Planted fault: the Trainer resolves auto as if it ran alone."""
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+    from torch.utils.data import TensorDataset
+
     from gputrain import Trainer
     from gputrain.config import DataConfig, RunConfig
 
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    monkeypatch.setattr("gputrain.data.workers.usable_cores", lambda: 4)  # loop.py imports it from there
+    monkeypatch.setattr("gputrain.engine.setup.usable_cores", lambda: 4)  # the engine imports it from there
     t = Trainer(RunConfig(data=DataConfig(num_workers="auto")), strategy="single", accelerator="cpu",
                 progress_bar=False, loggers=[], batch_size=4, epochs=1, out=str(tmp_path), enable_checkpointing=False)
-    t.prepare()  # what fit resolves first; its loaders take this count (test_a_run_with_auto_workers_loads_...)
-    assert t.cfg.data.num_workers == 2
+    x = torch.randn(8, 4)
+    t.fit(nn.Linear(4, 1), TensorDataset(x, x.sum(1, keepdim=True)), loss=F.mse_loss)
+    assert t.cfg.data.num_workers == 2 and t.loop.train_loader.num_workers == 2

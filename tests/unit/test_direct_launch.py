@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gputrain.direct_launch import rank_env
+from gputrain.launcher.direct import rank_env
 
 
 def test_each_rank_gets_every_variable_torchrun_sets():

@@ -6,14 +6,14 @@ from torch.utils.data import DistributedSampler
 
 from gputrain.config import load_config
 from gputrain.data.samplers import eval_shard
-from gputrain.tools.doctor_checks import (
+from gputrain.tools.diagnose.doctor_checks import (
     check_epoch_order,
     check_eval_sampler,
     check_input,
     check_lr,
     check_unused,
 )
-from gputrain.tools.ranks import RankOutcome
+from gputrain.tools.diagnose.outcome import RankOutcome
 
 
 def _ranks(*records_per_rank):

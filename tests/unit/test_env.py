@@ -11,7 +11,8 @@ import sys
 import pytest
 import torch
 
-from gputrain.tools.env import ENV_NAMES, ENV_PREFIXES, collect_env, format_env, main
+from gputrain.cli import main
+from gputrain.tools.env import ENV_NAMES, ENV_PREFIXES, collect_env, format_env
 
 
 def test_env_reports_versions_backends_and_devices():
@@ -64,15 +65,15 @@ def test_topology_from_nvidia_smi_when_it_is_on_path(tmp_path, monkeypatch):
 
 
 def test_env_command_plain_and_json(capsys):
-    assert main([]) == 0
+    assert main(["env"]) == 0
     assert "versions:" in capsys.readouterr().out
-    assert main(["--json"]) == 0
+    assert main(["env", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["versions"]["torch"] == torch.__version__
 
 
 @pytest.mark.slow
 def test_env_as_a_module_in_a_fresh_process():
-    done = subprocess.run([sys.executable, "-m", "gputrain.tools.env", "--json"], capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-m", "gputrain", "env", "--json"], capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["backends"]["gloo"] is True

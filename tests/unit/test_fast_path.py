@@ -11,11 +11,19 @@ import torch.nn.functional as F
 from autoencoder_runs import _Images, _max_diff, _train
 from gputrain import Trainer
 from gputrain.config import OptimConfig, RunConfig, load_config
+from gputrain.config.resolve import Facts, FastPath, glibc, resolve_precision, resolve_run
 from gputrain.data.samplers import StepBatchSampler
-from gputrain.fast_path import FastPath, glibc, resolve, resolve_precision, with_resolved
+from gputrain.engine.fast import apply_backend_flags
 from gputrain.models.vision import ConvAutoencoder
 from gputrain.tasks.autoencoder import ReconstructionTask
 from gputrain.tasks.detection import DetectionTask
+
+
+def resolve(cfg: RunConfig, device: torch.device, *, fixed_shapes: bool = True,
+            normalize_on_device: bool = False) -> FastPath:
+    """The speed options ``cfg`` resolves to on ``device`` (what one call of resolve_run decides)."""
+    return resolve_run(cfg, Facts(device=device, fixed_shapes=fixed_shapes, normalizes_on_device=normalize_on_device))[1]
+
 
 OFF = dict(channels_last=False, compile=False, cudnn_benchmark=False, precision="32", async_checkpoint=False,
            reuse_host_memory=False)
@@ -26,10 +34,6 @@ def test_auto_turns_the_options_on_for_cuda_and_leaves_a_cpu_run_as_it_was():
     # On a CPU, auto changes only where host memory comes from (never a computed value): see the fault test below.
     assert glibc()  # the machines this suite runs on (Linux); elsewhere auto leaves the allocator alone
     assert resolve(cfg, torch.device("cpu")) == FastPath(reuse_host_memory=True)
-    for asked in ("auto", True):  # the writer process: asked for; on a CPU alone (a GPU's snapshot is pinned memory)
-        cfg_asked = load_config(None, [f"trainer.checkpoint_process={str(asked).lower()}"])
-        assert resolve(cfg_asked, torch.device("cpu")) == FastPath(reuse_host_memory=True, checkpoint_process=True)
-        assert not resolve(cfg_asked, torch.device("cuda", 0)).checkpoint_process
     assert resolve(cfg, torch.device("cuda", 0)) == FastPath(channels_last=True, fused_optimizer=True,
                                                              cudnn_benchmark=True, reuse_host_memory=True)
     # Detection batches images of different sizes inside the model: neither layout nor autotuner is chosen for it.
@@ -46,24 +50,23 @@ def test_auto_turns_the_options_on_for_cuda_and_leaves_a_cpu_run_as_it_was():
     assert FastPath(True, "default", True, True).describe() == "fast=channels_last+compile(default)+fused+cudnn_benchmark"
 
 
-@pytest.mark.parametrize("on", [True, False])
-def test_the_resolved_config_replaces_every_auto_by_what_ran(on):
-    """config.yaml and every checkpoint carry ``with_resolved``'s config: each option must say what this run did,
-    on or off, never ``auto`` (a resume on another machine would resolve it anew). Planted faults: a field
+@pytest.mark.parametrize("device", ["cpu", "cuda"], ids=["on-the-cpu", "on-a-gpu"])  # "cuda" in an id skips it
+def test_the_resolved_config_replaces_every_auto_by_what_ran(device):
+    """config.yaml and every checkpoint carry resolve_run's config: each option must say what this run did, on or
+    off, never ``auto`` (a resume on another machine would resolve it anew). Planted faults: a field
     (``reuse_host_memory``, ``optim.fused``) not written back."""
-    fast = FastPath(channels_last=on, fused_optimizer=on, cudnn_benchmark=on, reuse_host_memory=on,
-                    normalize_on_device=on, checkpoint_process=on)
-    cfg = with_resolved(RunConfig(), fast)
+    where = torch.device(device, 0) if device == "cuda" else torch.device(device)
+    cfg, fast = resolve_run(RunConfig(), Facts(device=where, normalizes_on_device=device == "cuda"))
+    on = device == "cuda"
     written = {"trainer.channels_last": cfg.trainer.channels_last, "trainer.cudnn_benchmark": cfg.trainer.cudnn_benchmark,
-               "trainer.reuse_host_memory": cfg.trainer.reuse_host_memory, "optim.fused": cfg.optim.fused,
-               "data.normalize_on_device": cfg.data.normalize_on_device,
-               "trainer.checkpoint_process": cfg.trainer.checkpoint_process}
+               "optim.fused": cfg.optim.fused, "data.normalize_on_device": cfg.data.normalize_on_device}
     assert written == dict.fromkeys(written, on)
-    # Resolving the written config again gives the same options, whatever the device: nothing is left to auto. The
-    # writer process alone is for a model on the CPU: a config written by a CPU run resolves it off on a GPU.
-    assert resolve(cfg, torch.device("cuda", 0), normalize_on_device=on) == dataclasses.replace(
-        fast, checkpoint_process=False)
-    # cuDNN's autotuner is for CUDA alone: a config written by a GPU run resolves it off on a CPU (issue 28 item 7).
+    assert cfg.trainer.reuse_host_memory is True and cfg.trainer.precision == "32"
+    assert isinstance(cfg.data.num_workers, int)
+    # Resolving the written config again gives the same options on the same device: nothing is left to auto. cuDNN's
+    # autotuner is for CUDA alone: a config written by a GPU run resolves it off on a CPU (issue 28 item 7).
+    again = resolve_run(cfg, Facts(device=where, normalizes_on_device=on))
+    assert again == (cfg, fast)
     assert resolve(cfg, torch.device("cpu"), normalize_on_device=on) == dataclasses.replace(fast, cudnn_benchmark=False)
 
 
@@ -73,12 +76,12 @@ def test_cudnn_benchmark_is_switched_on_by_the_run_and_never_off():
     saved = torch.backends.cudnn.benchmark
     try:
         torch.backends.cudnn.benchmark = False
-        FastPath(cudnn_benchmark=True).apply_backend_flags()
+        apply_backend_flags(FastPath(cudnn_benchmark=True))
         assert torch.backends.cudnn.benchmark is True
-        FastPath().apply_backend_flags()  # a later run with it off leaves a caller's own setting as it was
+        apply_backend_flags(FastPath())  # a later run with it off leaves a caller's own setting as it was
         assert torch.backends.cudnn.benchmark is True
         torch.backends.cudnn.benchmark = False
-        FastPath().apply_backend_flags()
+        apply_backend_flags(FastPath())
         assert torch.backends.cudnn.benchmark is False
     finally:
         torch.backends.cudnn.benchmark = saved
@@ -87,9 +90,9 @@ def test_cudnn_benchmark_is_switched_on_by_the_run_and_never_off():
 def test_reusing_host_memory_is_refused_where_the_c_library_is_not_glibc(monkeypatch):
     """``mallopt`` is glibc's: on macOS, Windows or musl ``true`` must stop the run with one line naming the field
     before anything starts, and ``auto`` leaves the allocator alone. Planted fault: ``true`` accepted anyway."""
-    import gputrain.fast_path
+    import gputrain.config.resolve
 
-    monkeypatch.setattr(gputrain.fast_path, "glibc", lambda: False)  # the one fact this machine cannot give
+    monkeypatch.setattr(gputrain.config.resolve, "glibc", lambda: False)  # the one fact this machine cannot give
     with pytest.raises(ValueError, match=r"trainer\.reuse_host_memory=true .* not glibc; set "
                                          r"trainer\.reuse_host_memory=auto or false"):
         resolve(load_config(None, ["trainer.reuse_host_memory=true"]), torch.device("cpu"))
@@ -118,8 +121,8 @@ def test_the_segmentation_recipe_trains_in_mixed_precision_wherever_a_gpu_runs_i
     ("trainer.channels_last=maybe", "trainer.channels_last='maybe' must be auto, true or false"),
     ("optim.fused=sometimes", "optim.fused='sometimes' must be auto, true or false"),
     ("trainer.reuse_host_memory=maybe", "trainer.reuse_host_memory='maybe' must be auto, true or false"),
-    ("trainer.checkpoint_process=maybe",
-     "trainer.checkpoint_process='maybe' must be auto, true or false (from Python: 'auto', True or False)"),
+    ("trainer.checkpoint_process=true", "the override sets trainer.checkpoint_process, which gputrain no longer has: "
+                                        "checkpoints are written by the training process"),
     ("trainer.compile_mode=fastest", "trainer.compile_mode='fastest' is unknown; choose default, reduce-overhead"),
 ])
 def test_a_bad_option_value_is_one_line_naming_the_field(override, message):
@@ -209,7 +212,7 @@ def test_every_option_off_is_the_plain_pytorch_path_bit_for_bit(tmp_path):
 
 
 def test_bench_throughput_reports_compile_time_as_the_first_step_over_a_steady_one():
-    from gputrain.tools.throughput import _compile_s
+    from gputrain.tools.bench.throughput import _compile_s
 
     compiled = {"fast": "compile(default)", "first_step_s": 3.0, "batch_size_per_device": 8}
     assert _compile_s(compiled, images_per_s=16.0) == 2.5  # a steady step of 8 images takes 0.5 s
@@ -219,7 +222,7 @@ def test_bench_throughput_reports_compile_time_as_the_first_step_over_a_steady_o
 def test_bench_throughput_times_the_epochs_after_the_first_and_a_single_epoch_as_it_is():
     """The first epoch pays for start-up, caches and compilation: a steady rate is the median of the later epochs.
     Planted fault: the first epoch counted too (with three epochs the median then moves to the slower one)."""
-    from gputrain.tools.throughput import steady
+    from gputrain.tools.bench.throughput import steady
 
     key = "train/images_per_s"
     epochs = [{"step": 1, key: 5.0, "time/train_s": 9.0}, {"step": 2, key: 90.0, "time/train_s": 1.0},
@@ -245,8 +248,10 @@ def test_summary_names_the_options_that_ran_and_times_the_first_step(tmp_path):
 _HEAP_OR_MMAP = """
 import ctypes, sys, torch
 from gputrain.config import load_config
-from gputrain.fast_path import resolve
-resolve(load_config(None, ["trainer.reuse_host_memory=" + sys.argv[1]]), torch.device("cpu")).apply_backend_flags()
+from gputrain.config.resolve import Facts, resolve_run
+from gputrain.engine.fast import apply_backend_flags
+cfg = load_config(None, ["trainer.reuse_host_memory=" + sys.argv[1]])
+apply_backend_flags(resolve_run(cfg, Facts(device=torch.device("cpu")))[1])
 libc = ctypes.CDLL(None)
 libc.malloc.restype = libc.sbrk.restype = ctypes.c_void_p
 block = libc.malloc(8 << 20)  # a fresh process has freed nothing large yet: glibc's threshold is its initial 128 KiB
@@ -290,7 +295,7 @@ def test_the_start_up_line_names_what_changes_the_run_and_only_what_is_on(tmp_pa
     """issue 28 item 7: synthetic data, the resolved worker count, frozen parameters and how checkpoints are written
     were missing from the line, and cudnn_benchmark was claimed on a CPU. Planted faults: a word left out; cuDNN's
     autotuner claimed where there is no CUDA."""
-    from gputrain.data.workers import resolve_num_workers, usable_cores
+    from gputrain.config.resolve import resolve_num_workers, usable_cores
 
     workers = resolve_num_workers("auto", cores=usable_cores(), local_processes=1)
     line = _start_line(tmp_path / "a", capsys, freeze=True, synthetic=True, cudnn_benchmark=True,
@@ -302,4 +307,4 @@ def test_the_start_up_line_names_what_changes_the_run_and_only_what_is_on(tmp_pa
     plain = _start_line(tmp_path / "b", capsys, enable_checkpointing=False)
     assert not any(word in plain for word in ("synthetic", "frozen", "accumulate", "checkpoints=", "decode_on_device",
                                               "sync_batchnorm", "drop_last", "max_steps_per_epoch", "weights="))
-    assert " checkpoints=background " in _start_line(tmp_path / "c", capsys)
+    assert " checkpoints=background " in _start_line(tmp_path / "c", capsys)  # the default, on a CPU too

@@ -21,7 +21,7 @@ pytest.importorskip("pycocotools")
 
 from gputrain.dist import DistInfo  # noqa: E402
 from gputrain.metrics.detection import CocoEvaluator, detections_to_coco  # noqa: E402
-from gputrain.strategies import SingleDevice  # noqa: E402
+from gputrain.strategies.single import SingleDevice  # noqa: E402
 
 # Ground truth: image 1 holds two boxes of category 1, xywh; area 100 and 200.
 GT_XYWH = [[10.0, 10.0, 10.0, 10.0], [40.0, 20.0, 20.0, 10.0]]

@@ -15,15 +15,9 @@ from gputrain.config import OptimConfig, ParallelConfig, RunConfig, TrainerConfi
 from gputrain.dist import DistInfo
 from gputrain.parallel.blocks import sequential_blocks, split_stages
 from gputrain.strategies import strategy_class
+from gputrain.strategies.micro_batches import chunk_batch, equal_runs, split_size
 from gputrain.strategies.model_parallel import ModelParallel, SplitModel, pipelined_forward
-from gputrain.strategies.stages import (
-    block_devices,
-    chunk_batch,
-    equal_runs,
-    resolve_stage_devices,
-    split_size,
-    stage_of_blocks,
-)
+from gputrain.strategies.stages import block_devices, resolve_stage_devices, stage_of_blocks
 
 CPU, META = torch.device("cpu"), torch.device("meta")
 

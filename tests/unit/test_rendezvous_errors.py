@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import importlib
-
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError
 
-launch = importlib.import_module("gputrain.launch")  # the module, not the launch() function gputrain exports
+from gputrain.errors import EXIT_FAILED
+from gputrain.launcher import ranks as launch
+from gputrain.launcher.spec import LaunchSpec
 
 
 def test_a_lost_rendezvous_ends_in_one_line_naming_the_node_and_endpoint(monkeypatch, capsys):
@@ -19,8 +19,8 @@ def test_a_lost_rendezvous_ends_in_one_line_naming_the_node_and_endpoint(monkeyp
         raise RendezvousConnectionError("The connection to the C10d store has failed. See inner exception for details.")
 
     monkeypatch.setattr(launch, "run_torchrun", lost_store)
-    spec = launch.LaunchSpec(nproc_per_node=1, nnodes=2, node_rank=1, rdzv_endpoint="127.0.0.1:29500")
-    assert launch.run_workers(spec, "gputrain", ["train", "autoencoder"]) == launch.EXIT_FAILED
+    spec = LaunchSpec(nproc_per_node=1, nnodes=2, node_rank=1, rdzv_endpoint="127.0.0.1:29500")
+    assert launch.run_command(spec, "gputrain", ["train", "autoencoder"]) == EXIT_FAILED
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("gputrain: error: node 1 lost the rendezvous at 127.0.0.1:29500 ")
     assert "RendezvousConnectionError: The connection to the C10d store has failed" in lines[0]

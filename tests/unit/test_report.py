@@ -111,7 +111,7 @@ def test_the_epoch_axis_has_whole_epochs_only(epochs) -> None:
     locator gives up (and falls back to fractions) when one whole number is in view."""
     import matplotlib.pyplot as plt
 
-    from gputrain.tools.report import curves_figure
+    from gputrain.runs.pictures import curves_figure
 
     fig = curves_figure({"train/loss": (epochs, [1.0 / e for e in epochs]), "val/accuracy": (epochs, [0.5] * len(epochs))})
     fig.canvas.draw()

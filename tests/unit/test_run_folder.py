@@ -13,13 +13,13 @@ import torch
 from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-from gputrain import preflight
+from gputrain.cli import preflight
 from gputrain.config import load_config
 from gputrain.data.imagefolder import ImageFiles
 from gputrain.data.images import DataError
-from gputrain.hooks.logging import JsonlLogger, strict_json
-from gputrain.launch import report_failure
-from gputrain.run_folder import (
+from gputrain.launcher.failures import report_failure
+from gputrain.launcher.worker_errors import WorkerErrorHandler
+from gputrain.runs.folder import (
     check_eval_folder,
     check_output_file,
     check_run_folder,
@@ -28,9 +28,8 @@ from gputrain.run_folder import (
     eval_dir_for,
     point_latest,
 )
-from gputrain.tools.from_checkpoint import config_from_checkpoint, load_fitting, python_run_message
-from gputrain.tools.make_data import make_dataset
-from gputrain.tools.scale import (
+from gputrain.runs.loggers import JsonlLogger, strict_json
+from gputrain.tools.bench.scale import (
     ScaleRow,
     _error_line,
     add_speedup,
@@ -39,7 +38,8 @@ from gputrain.tools.scale import (
     run_command,
     threads_per_process,
 )
-from gputrain.worker_errors import WorkerErrorHandler
+from gputrain.tools.from_checkpoint import config_from_checkpoint, load_fitting, python_run_message
+from gputrain.tools.make_data import make_dataset
 
 NOON = datetime(2026, 11, 23, 14, 15, 2)
 
@@ -292,12 +292,15 @@ def test_dp_says_what_devices_does_and_missing_extras_name_the_install():
     note = preflight.devices_note("dp", 2, "cpu")
     assert "--devices 2 starts no more processes" in note and "on a CPU it uses one device" in note
     assert preflight.devices_note("ddp", 2, "cpu") == ""
-    with pytest.raises(preflight.MissingExtra, match=r"pip install 'gputrain\[loggers\]'"):
-        preflight.EXTRAS["no_such_package_xyz"] = "loggers"
+    from gputrain import extras
+    from gputrain.errors import MissingExtra
+
+    with pytest.raises(MissingExtra, match=r"pip install 'gputrain\[loggers\]'"):
+        extras.EXTRAS["no_such_package_xyz"] = "loggers"
         try:
-            preflight.require("no_such_package_xyz", "trainer.loggers=[x]")
+            extras.require("no_such_package_xyz", "trainer.loggers=[x]")
         finally:
-            del preflight.EXTRAS["no_such_package_xyz"]
+            del extras.EXTRAS["no_such_package_xyz"]
 
 
 def test_data_make_refuses_negative_counts(tmp_path):

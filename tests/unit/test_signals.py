@@ -14,12 +14,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import TensorDataset
 
-import gputrain.signals
+import gputrain.dist.stop
 from gputrain import Trainer
 from gputrain.config import OptimConfig, RunConfig
+from gputrain.dist.stop import StopRequest
+from gputrain.engine.hooks import Hook
 from gputrain.errors import Interrupted
-from gputrain.hooks.base import Hook
-from gputrain.signals import StopRequest
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 
@@ -53,7 +53,7 @@ def test_a_second_ctrl_c_within_two_seconds_is_absorbed_and_one_later_aborts(mon
     second SIGINT aborts. Duplicate real signals merge in Python, so the installed handler is called directly
     and the clock is moved by hand."""
     now = [1000.0]
-    monkeypatch.setattr(gputrain.signals, "time", SimpleNamespace(monotonic=lambda: now[0]))  # this module's clock
+    monkeypatch.setattr(gputrain.dist.stop, "time", SimpleNamespace(monotonic=lambda: now[0]))  # this module's clock
     with StopRequest() as stop:
         handler = signal.getsignal(signal.SIGINT)
         handler(signal.SIGINT, None)
@@ -73,8 +73,8 @@ def test_sigusr1_stops_a_run_at_a_step_boundary_with_exit_code_138(tmp_path, own
     """SLURM's --signal=USR1@120 (docs/fault-tolerance.md, the signals table). Planted fault: SIGUSR1 is not a
     stop signal (its handler is the caller's, or the default one, which would kill the process)."""
     class SendUsr1(Hook):
-        def after_step(self, trainer, logs):
-            if trainer.state.global_step == 1:
+        def after_step(self, ctx, logs):
+            if ctx.state.global_step == 1:
                 # Checked before the signal is sent: with the default handler it would end pytest itself.
                 assert signal.getsignal(signal.SIGUSR1) == signal.getsignal(signal.SIGTERM), \
                     f"SIGUSR1's handler during fit is {signal.getsignal(signal.SIGUSR1)!r}, not the stop request's"
@@ -107,7 +107,7 @@ def test_a_signal_after_the_last_epoch_says_the_run_finished(tmp_path, own_handl
     """issue 28 item 10: Ctrl-C while the end of a run draws its pictures or waits for its last checkpoint left the
     user guessing. Planted fault: the signal is noted and nothing said."""
     class LateCtrlC(Hook):
-        def after_fit(self, trainer, summary):
+        def after_fit(self, ctx, summary):
             signal.raise_signal(signal.SIGINT)
 
     trainer = _fit(tmp_path, hooks=[LateCtrlC()])

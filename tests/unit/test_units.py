@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pickle
 import subprocess
@@ -11,22 +12,22 @@ import pytest
 import torch
 
 from gputrain.checkpoint import atomic_save, load_checkpoint
-from gputrain.config import SchedulerConfig, load_config
+from gputrain.config import RunConfig, SchedulerConfig, TrainerConfig, load_config
 from gputrain.data.samplers import EpochPlan, StepBatchSampler, epoch_permutation, eval_shard
 from gputrain.dist import DistInfo
-from gputrain.launch import ONE_PROCESS_STRATEGIES, PROCESS_PER_DEVICE_STRATEGIES, processes_per_node
+from gputrain.launcher.spec import LaunchSpec
 from gputrain.optim import lr_factor
 from gputrain.precision import build_precision
 from gputrain.strategies import (
-    LAZY,
     STRATEGIES,
-    DataParallel,
+    Registered,
     available,
     build_strategy,
     strategy_class,
     strategy_names,
 )
 from gputrain.strategies.dp import (
+    DataParallel,
     check_batch_covers_devices,
     check_module_on_first_device,
     check_targets_on_output_device,
@@ -208,7 +209,7 @@ def test_unknown_precision_and_strategy_say_what_is_valid():
 def test_a_run_imports_no_optional_strategy_until_it_names_one():
     # The pipeline's module pulls in torch.distributed.pipelining, torch._dynamo and DTensor: 1.5 s of CPU in
     # every launcher and rank (benchmarks/cli_startup.py). A fresh interpreter, since this one has them already.
-    code = ("import sys, gputrain.loop, gputrain.cli\n"
+    code = ("import sys, gputrain.engine.trainer, gputrain.cli\n"
             "from gputrain.strategies import strategy_class, strategy_names\n"
             "assert not [m for m in sys.modules if m.startswith(('torch.distributed.pipelining', 'torch._dynamo', "
             "'gputrain.strategies.pipeline', 'gputrain.strategies.fsdp', 'gputrain.strategies.model_parallel'))]\n"
@@ -221,26 +222,30 @@ def test_a_run_imports_no_optional_strategy_until_it_names_one():
 
 @pytest.mark.parametrize("name", strategy_names())
 def test_the_launchers_process_count_is_each_strategys_own(name):
-    # The launcher counts processes without importing torch (to start the ranks before it); the classes decide.
+    """The launcher reads the strategy's registration (no torch import) and the class answers the same; no table
+    elsewhere says it. Planted fault: FSDP registered as one process."""
+    per_device = name in ("ddp", "fsdp", "pipeline")  # by hand: one process per device, or one for all of them
     for devices in (1, 2, 3):
-        assert processes_per_node(name, devices) == strategy_class(name).processes_per_node(devices), (name, devices)
-    assert name in ONE_PROCESS_STRATEGIES | PROCESS_PER_DEVICE_STRATEGIES  # a new strategy: add it to one
+        cfg = load_config(None, [f"trainer.strategy={name}", f"trainer.devices={devices}"]
+                          + (["parallel.split_points=[]"] if name == "pipeline" else []))
+        assert LaunchSpec.from_config(cfg).nproc_per_node == (devices if per_device else 1), (name, devices)
+        assert strategy_class(name).processes_per_node(devices) == (devices if per_device else 1), (name, devices)
 
 
 def test_an_unknown_strategy_is_one_line_from_the_launchers_count_too():
     with pytest.raises(ValueError, match=r"^trainer.strategy='pipelined' is unknown; choose one of ddp, dp, fsdp"):
-        processes_per_node("pipelined", 2)
+        LaunchSpec.from_config(dataclasses.replace(RunConfig(), trainer=TrainerConfig(strategy="pipelined")))
 
 
 def test_a_strategy_whose_torch_feature_is_missing_is_one_line_naming_the_module(tmp_path, monkeypatch):
     # A real module that fails to import the way an older torch would (no such torch submodule).
     (tmp_path / "strategy_from_the_future.py").write_text("import torch.distributed.not_in_this_torch\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setitem(LAZY, "future", ("strategy_from_the_future", "Future"))
+    monkeypatch.setitem(STRATEGIES, "future", Registered("strategy_from_the_future:Future"))
     with pytest.raises(ValueError, match=r"^trainer.strategy=future needs torch.distributed.not_in_this_torch, "
                                          r"which torch \S+ does not have; install the torch version in requirements.txt$"):
         strategy_class("future")
-    assert not available("future") and "future" not in STRATEGIES
+    assert not available("future")
 
 
 # -- DataParallel traps: pure checks over device lists, so they run without GPUs ------------
@@ -351,7 +356,7 @@ def test_reading_a_seeded_sample_leaves_the_callers_generator_as_it_was():
 
 # -- resume: the per-device batch that keeps the checkpoint's global batch ---------------------------------------
 def test_a_resume_keeps_the_global_batch_counting_accumulation():
-    from gputrain.resume import resumed_batch_size
+    from gputrain.config.resolve import resumed_batch_size
 
     assert resumed_batch_size(16, 2, 2, 4, "run/last.pt") == 4  # as saved: 4 x 2 ranks x 2 accumulation
     assert resumed_batch_size(16, 4, 2, 4, "run/last.pt") == 2  # 4 ranks: 2 each

@@ -1,20 +1,19 @@
 """Exact distributed metrics: each rank accumulates sufficient statistics, then they are reduced.
 
 Never average per-rank metric values: shards differ in size, so the mean of means is wrong.
-Counts, sums and confusion matrices are summed with ``strategy.all_reduce``; results that
-need the whole set (COCO mAP) are gathered to rank 0 with ``strategy.gather_objects``.
+Counts, sums and confusion matrices are summed with :func:`gputrain.dist.comm.all_reduce`; results
+that need the whole set (COCO mAP) are gathered to rank 0 with :func:`gputrain.dist.comm.gather_objects`.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-if TYPE_CHECKING:
-    from gputrain.strategies.base import Strategy
+from gputrain.dist import comm
 
 
 class Evaluator(ABC):
@@ -25,7 +24,7 @@ class Evaluator(ABC):
         """Add one batch. ``loss`` is the batch's mean loss, or None where the task has none in eval."""
 
     @abstractmethod
-    def compute(self, strategy: Strategy, out_dir: Path | None = None) -> dict[str, float]:
+    def compute(self, device: torch.device, out_dir: Path | None = None) -> dict[str, float]:
         """Metrics over the whole evaluation set, identical on every rank (collective: call on all ranks)."""
 
 
@@ -43,13 +42,13 @@ class MeanLoss(Evaluator):
         self.loss_sum = weighted if self.loss_sum is None else self.loss_sum + weighted
         self.count += batch_size
 
-    def reduced(self, strategy: Strategy) -> torch.Tensor:
+    def reduced(self, device: torch.device) -> torch.Tensor:
         """``[sum of loss * n, n]`` over all ranks (a rank with an empty shard sends zeros)."""
-        total = self.loss_sum.to(strategy.root_device) if self.loss_sum is not None else \
-            torch.zeros((), dtype=torch.float64, device=strategy.root_device)
+        total = self.loss_sum.to(device) if self.loss_sum is not None else \
+            torch.zeros((), dtype=torch.float64, device=device)
         stats = torch.stack([total, torch.tensor(float(self.count), dtype=torch.float64, device=total.device)])
-        return strategy.all_reduce(stats).cpu()
+        return comm.all_reduce(stats).cpu()
 
-    def compute(self, strategy: Strategy, out_dir: Path | None = None) -> dict[str, float]:
-        total, n = self.reduced(strategy).tolist()
+    def compute(self, device: torch.device, out_dir: Path | None = None) -> dict[str, float]:
+        total, n = self.reduced(device).tolist()
         return {"loss": total / n if n else float("nan"), "samples": n}

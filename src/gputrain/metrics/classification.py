@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
+from gputrain.dist import comm
 from gputrain.metrics.base import Evaluator, MeanLoss
-
-if TYPE_CHECKING:
-    from gputrain.strategies.base import Strategy
 
 
 class ClassificationEvaluator(Evaluator):
@@ -54,13 +52,13 @@ class ClassificationEvaluator(Evaluator):
         self.counts = batch if self.counts is None else self.counts + batch
         self.loss.update(outputs, targets, loss, batch_size)
 
-    def compute(self, strategy: Strategy, out_dir: Path | None = None) -> dict[str, float]:
+    def compute(self, device: torch.device, out_dir: Path | None = None) -> dict[str, float]:
         """All-reduce the counts and return the metrics (collective: call on every rank)."""
         local = self.counts if self.counts is not None else torch.zeros(len(self.topk) + 1, dtype=torch.int64)
         # A rank with an empty shard still joins the collective with zeros.
-        counts = strategy.all_reduce(local.to(strategy.root_device).clone()).cpu().tolist()
+        counts = comm.all_reduce(local.to(device).clone()).cpu().tolist()
         *correct, total = counts
-        metrics = self.loss.compute(strategy, out_dir)
+        metrics = self.loss.compute(device, out_dir)
         metrics["samples"] = float(total)
         for k, c in zip(self.topk, correct, strict=True):
             metrics["accuracy" if k == 1 else f"top{k}"] = c / total if total else float("nan")

@@ -23,12 +23,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from gputrain.dist import comm
 from gputrain.metrics.base import Evaluator
 
 if TYPE_CHECKING:
     from pycocotools.coco import COCO
 
-    from gputrain.strategies.base import Strategy
 
 IOU_TYPES = ("bbox", "segm")
 
@@ -185,9 +185,9 @@ class CocoEvaluator(Evaluator):
                 output, image_id, self.label_to_category, with_masks="segm" in self.iou_types
             )
 
-    def compute(self, strategy: Strategy, out_dir: Path | None = None) -> dict[str, float]:
+    def compute(self, device: torch.device, out_dir: Path | None = None) -> dict[str, float]:
         """Gather every rank's results to rank 0, score there, broadcast (collective)."""
-        gathered = strategy.gather_objects(self.results)
+        gathered = comm.gather_objects(self.results)
         metrics: dict[str, float] | None = None
         if gathered is not None:  # rank 0
             merged: dict[int, list[dict[str, Any]]] = {}
@@ -204,4 +204,4 @@ class CocoEvaluator(Evaluator):
             for iou_type in self.iou_types:
                 stats = coco_stats(self.coco_gt, results, iou_type, image_ids, self.verbose)
                 metrics[f"{iou_type}_mAP"], metrics[f"{iou_type}_mAP50"] = stats[0], stats[1]
-        return strategy.broadcast_object(metrics)
+        return comm.broadcast_object(metrics)

@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
+from gputrain.dist import comm
 from gputrain.metrics.base import Evaluator, MeanLoss
-
-if TYPE_CHECKING:
-    from gputrain.strategies.base import Strategy
 
 
 def miou_from_confusion(cm: torch.Tensor) -> tuple[float, list[float]]:
@@ -93,18 +91,18 @@ class SegmentationEvaluator(Evaluator):
         # set's loss independent of how images fall into batches and ranks.
         self.loss.update(outputs, targets, loss, int(keep.sum()))
 
-    def compute(self, strategy: Strategy, out_dir: Path | None = None) -> dict[str, float]:
+    def compute(self, device: torch.device, out_dir: Path | None = None) -> dict[str, float]:
         """All-reduce the confusion matrix and derive the metrics (collective: call on every rank)."""
         n = self.num_classes
         cm = self.confusion.cpu() if self.confusion is not None else torch.zeros(n, n, dtype=torch.int64)
         # One collective for the matrix and the image count; a rank with an empty shard sends zeros.
         packed = torch.cat([cm.flatten(), torch.tensor([self.images], dtype=torch.int64)])
-        packed = strategy.all_reduce(packed.to(strategy.root_device)).cpu()
+        packed = comm.all_reduce(packed.to(device)).cpu()
         cm, images = packed[:-1].reshape(n, n), int(packed[-1])
         self.global_confusion = cm
         miou, _ = miou_from_confusion(cm)
         total = int(cm.sum())
-        metrics = self.loss.compute(strategy, out_dir)
+        metrics = self.loss.compute(device, out_dir)
         metrics.update(
             {
                 "mIoU": miou,

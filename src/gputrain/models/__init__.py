@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from gputrain.imports import resolve
+from gputrain.extras import resolve
 
 if TYPE_CHECKING:
     from gputrain.config import ModelConfig

@@ -19,6 +19,7 @@ from torchvision.models._utils import IntermediateLayerGetter
 from torchvision.models.segmentation.deeplabv3 import ASPP
 
 from gputrain.models.vision import load_weights
+from gputrain.nn.chain import Block, First, StartWithSize
 
 BOTTLENECK_BACKBONES = ("resnet50", "resnet101")
 """Bottleneck blocks support dilation, so these reach output stride 16 or 8."""
@@ -28,6 +29,7 @@ BASIC_BACKBONES = ("resnet18", "resnet34")
 # ASPP rates from the paper for OS 16 and 8 (doubled at 8, since features are twice as
 # large); at OS 32 they are halved for the same reason.
 DEFAULT_RATES = {8: (12, 24, 36), 16: (6, 12, 18), 32: (3, 6, 9)}
+
 
 
 def _conv_bn_relu(cin: int, cout: int, kernel: int) -> nn.Sequential:
@@ -111,3 +113,58 @@ class DeepLabV3Plus(nn.Module):
         high = F.interpolate(high, size=low.shape[-2:], mode="bilinear", align_corners=False)
         logits = self.classifier(self.fuse(torch.cat([high, low], dim=1)))
         return F.interpolate(logits, size=x.shape[-2:], mode="bilinear", align_corners=False)
+
+    def chain_blocks(self) -> list[Block]:
+        """Its forward as a chain (:mod:`gputrain.nn.chain`): conv1 ... layer1, reduce, layer2 ... layer4, aspp, fuse,
+        classifier, upsample; a tuple state carries the low-level features and the input size."""
+        trunk = self.backbone  # IntermediateLayerGetter: its children run in order
+        children = list(trunk.named_children())
+        blocks: list[Block] = [(children[0][0], StartWithSize(children[0][1]))]
+        for name, module in children[1:]:
+            blocks.append((name, First(module)))
+            if name == "layer1":
+                blocks.append(("reduce", _KeepLow(self.reduce)))
+        blocks += [
+            ("aspp", First(self.aspp)),
+            ("fuse", _Fuse(self.fuse)),
+            ("classifier", First(self.classifier)),
+            ("upsample", _Upsample()),
+        ]
+        return blocks
+
+
+class _KeepLow(nn.Module):
+    """DeepLabv3+: reduce layer1's features to the decoder's low-level branch, carried beside the trunk.
+
+    Reducing right away (rather than after layer4, as the model's forward does) computes the same
+    numbers and carries 48 channels between stages instead of 256.
+    """
+
+    def __init__(self, reduce: nn.Module) -> None:
+        super().__init__()
+        self.reduce = reduce
+
+    def forward(self, state: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        trunk, size = state
+        return trunk, self.reduce(trunk), size
+
+
+class _Fuse(nn.Module):
+    """DeepLabv3+: upsample ASPP's output to the low-level size, concatenate, and fuse."""
+
+    def __init__(self, fuse: nn.Module) -> None:
+        super().__init__()
+        self.fuse = fuse
+
+    def forward(self, state: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        high, low, size = state
+        high = F.interpolate(high, size=low.shape[-2:], mode="bilinear", align_corners=False)
+        return self.fuse(torch.cat([high, low], dim=1)), size
+
+
+class _Upsample(nn.Module):
+    """DeepLabv3+: bilinear upsampling of the logits to the carried input size."""
+
+    def forward(self, state: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        logits, size = state
+        return F.interpolate(logits, size=size.shape[-2:], mode="bilinear", align_corners=False)

@@ -75,6 +75,10 @@ class ConvAutoencoder(nn.Module):
             nn.ReLU(),
         )
 
+    def chain_blocks(self) -> list[tuple[str, nn.Module]]:
+        """Its forward as a chain (:mod:`gputrain.nn.chain`): encoder, then decoder."""
+        return [("encoder", self.encoder), ("decoder", self.decoder)]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 4 or x.shape[1] != 3:
             raise ValueError(f"ConvAutoencoder expects (N, 3, H, W) images, got shape {tuple(x.shape)}")

@@ -14,17 +14,15 @@ from gputrain.parallel.blocks import (
     to_model_state_dict,
 )
 from gputrain.parallel.chain_check import check_blocks
-from gputrain.parallel.partition import (
+from gputrain.parallel.partition import partition_by_cost, partition_by_params, plan_from_split_points
+from gputrain.parallel.plan import (
     PipelinePlan,
     StagePlan,
     activation_scale,
     bubble,
     format_plan,
     make_plan,
-    partition_by_cost,
-    partition_by_params,
     plan_from_costs,
-    plan_from_split_points,
 )
 from gputrain.parallel.profile import BlockCost, profile_blocks
 

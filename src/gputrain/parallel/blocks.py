@@ -21,12 +21,9 @@ from typing import Any
 import torch
 import torchvision
 from torch import nn
-from torch.nn import functional as F
 
-from gputrain.models.deeplabv3plus import DeepLabV3Plus
-from gputrain.models.vision import ConvAutoencoder
+from gputrain.nn.chain import Block
 
-Block = tuple[str, nn.Module]
 State = Any
 """A tensor, or a tuple of tensors carried between blocks."""
 
@@ -36,97 +33,21 @@ SPLIT_HELP = (
 )
 
 
-class _First(nn.Module):
-    """Apply ``module`` to the first tensor of a carried tuple; pass the rest through."""
-
-    def __init__(self, module: nn.Module) -> None:
-        super().__init__()
-        self.module = module
-
-    def forward(self, state: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-        return (self.module(state[0]), *state[1:])
-
-
-class _StartWithSize(nn.Module):
-    """Run the first block and carry the input's spatial size for the final upsample.
-
-    The size rides in a zero-element uint8 tensor of shape (N, 0, H, W): its shape is the
-    information, it costs no bytes, it splits into micro-batches along dim 0, and, not being
-    floating point, it never asks for a gradient (gloo sends zero-element tensors fine).
-    """
-
-    def __init__(self, module: nn.Module) -> None:
-        super().__init__()
-        self.module = module
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        n, _, h, w = x.shape
-        return self.module(x), torch.empty((n, 0, h, w), dtype=torch.uint8, device=x.device)
-
-
-class _KeepLow(nn.Module):
-    """DeepLabv3+: reduce layer1's features to the decoder's low-level branch, carried beside the trunk.
-
-    Reducing right away (rather than after layer4, as the model's forward does) computes the same
-    numbers and carries 48 channels between stages instead of 256.
-    """
-
-    def __init__(self, reduce: nn.Module) -> None:
-        super().__init__()
-        self.reduce = reduce
-
-    def forward(self, state: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, ...]:
-        trunk, size = state
-        return trunk, self.reduce(trunk), size
-
-
-class _Fuse(nn.Module):
-    """DeepLabv3+: upsample ASPP's output to the low-level size, concatenate, and fuse."""
-
-    def __init__(self, fuse: nn.Module) -> None:
-        super().__init__()
-        self.fuse = fuse
-
-    def forward(self, state: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-        high, low, size = state
-        high = F.interpolate(high, size=low.shape[-2:], mode="bilinear", align_corners=False)
-        return self.fuse(torch.cat([high, low], dim=1)), size
-
-
-class _Upsample(nn.Module):
-    """DeepLabv3+: bilinear upsampling of the logits to the carried input size."""
-
-    def forward(self, state: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        logits, size = state
-        return F.interpolate(logits, size=size.shape[-2:], mode="bilinear", align_corners=False)
-
-
 def _is_plain(model: nn.Module, base: type[nn.Module], *methods: str) -> bool:
     """``model`` is a ``base`` whose forward code (``methods``) no subclass has overridden."""
     return isinstance(model, base) and all(getattr(type(model), m) is getattr(base, m) for m in methods)
+
+
+def _describes_its_chain(model: nn.Module) -> bool:
+    """``model`` has a ``chain_blocks()`` (:mod:`gputrain.nn.chain`) and its forward is the one that describes."""
+    owner = next((c for c in type(model).__mro__ if "chain_blocks" in vars(c)), None)
+    return owner is not None and type(model).forward is owner.forward  # type: ignore[attr-defined]
 
 
 def _resnet_blocks(model: torchvision.models.ResNet) -> list[Block]:
     names = ["conv1", "bn1", "relu", "maxpool", "layer1", "layer2", "layer3", "layer4", "avgpool"]
     # ResNet._forward_impl calls torch.flatten(x, 1) between avgpool and fc; nn.Flatten(1) is the same op.
     return [*((n, getattr(model, n)) for n in names), ("flatten", nn.Flatten(1)), ("fc", model.fc)]
-
-
-def _deeplab_blocks(model: DeepLabV3Plus) -> list[Block]:
-    trunk = model.backbone  # IntermediateLayerGetter: its children run in order
-    children = list(trunk.named_children())
-    blocks: list[Block] = [(children[0][0], _StartWithSize(children[0][1]))]
-    for name, module in children[1:]:
-        blocks.append((name, _First(module)))
-        if name == "layer1":
-            blocks.append(("reduce", _KeepLow(model.reduce)))
-    blocks += [
-        ("aspp", _First(model.aspp)),
-        ("fuse", _Fuse(model.fuse)),
-        ("classifier", _First(model.classifier)),
-        ("upsample", _Upsample()),
-    ]
-    return blocks
 
 
 def sequential_blocks(model: nn.Module, *, children_in_order: bool = False) -> list[Block]:
@@ -143,10 +64,8 @@ def sequential_blocks(model: nn.Module, *, children_in_order: bool = False) -> l
         blocks = _resnet_blocks(model)  # type: ignore[arg-type]
     elif _is_plain(model, nn.Sequential, "forward"):
         blocks = list(model.named_children())
-    elif _is_plain(model, ConvAutoencoder, "forward"):
-        blocks = [("encoder", model.encoder), ("decoder", model.decoder)]  # type: ignore[list-item]
-    elif _is_plain(model, DeepLabV3Plus, "forward"):
-        blocks = _deeplab_blocks(model)  # type: ignore[arg-type]
+    elif _describes_its_chain(model):
+        blocks = model.chain_blocks()  # type: ignore[operator]
     elif children_in_order and len(list(model.children())) > 1:
         blocks = list(model.named_children())
     else:

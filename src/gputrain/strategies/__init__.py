@@ -1,61 +1,74 @@
 """Parallel strategies, one file each, behind :class:`~gputrain.strategies.base.Strategy`.
 
-The config names a strategy (``trainer.strategy``); this registry is the one place that maps the
-name to its class. Everything else asks the class (processes per node, options) or the instance.
+The config names a strategy (``trainer.strategy``); :data:`STRATEGIES` is the one place that registers it: where
+its class lives, imported the first time a run names it (the pipeline's module imports
+``torch.distributed.pipelining`` and with it dynamo and DTensor, about as long as torch itself), and whether one
+process drives all of a node's devices. That one fact sits in the registration rather than the class because the
+launcher needs it before it starts the ranks, and importing any strategy imports torch (seconds the ranks would
+wait); the class answers :meth:`~gputrain.strategies.base.Strategy.processes_per_node` from it. Everything else
+asks the class: how many data-parallel shares a step has, its options
+(:meth:`~gputrain.strategies.base.Strategy.from_config`). Importing this package imports no strategy and no torch.
 """
 
 from __future__ import annotations
 
 import importlib
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from gputrain.dist import DistInfo
-from gputrain.strategies.base import MicroBatch, Strategy
-from gputrain.strategies.ddp import DDP
-from gputrain.strategies.dp import DataParallel
-from gputrain.strategies.single import SingleDevice
-
 if TYPE_CHECKING:
-    from gputrain.config import RunConfig
+    from gputrain.config.schema import RunConfig
+    from gputrain.dist import DistInfo
+    from gputrain.strategies.base import Strategy
 
-STRATEGIES: dict[str, type[Strategy]] = {cls.name: cls for cls in (SingleDevice, DDP, DataParallel)}
-"""The strategies imported so far, by name; :data:`LAZY` ones are added the first time a run names one."""
+@dataclass(frozen=True)
+class Registered:
+    """A strategy as registered: where its class lives and how many processes a node starts for it."""
 
-LAZY: dict[str, tuple[str, str]] = {
-    "model_parallel": ("gputrain.strategies.model_parallel", "ModelParallel"),
-    "pipeline": ("gputrain.strategies.pipeline", "Pipeline"),
-    "fsdp": ("gputrain.strategies.fsdp", "FSDP"),
+    home: str
+    """``module:Class``."""
+    one_process: bool = False
+    """One process drives all of a node's devices (single, dp, model_parallel); otherwise one process per device."""
+
+
+STRATEGIES: dict[str, Registered] = {
+    "single": Registered("gputrain.strategies.single:SingleDevice", one_process=True),
+    "ddp": Registered("gputrain.strategies.ddp:DDP"),
+    "dp": Registered("gputrain.strategies.dp:DataParallel", one_process=True),
+    "pipeline": Registered("gputrain.strategies.pipeline:Pipeline"),
+    "fsdp": Registered("gputrain.strategies.fsdp:FSDP"),
+    "model_parallel": Registered("gputrain.strategies.model_parallel:ModelParallel", one_process=True),
 }
-"""Strategies whose modules are imported only when named: the pipeline's imports torch.distributed.pipelining
-and with it torch._dynamo and DTensor, about 1.6 s (as much as torch itself) in the launcher of every run, before
-it starts the ranks, and in each rank that does not import torchvision (which loads dynamo itself)."""
+"""Every name ``trainer.strategy`` accepts (``gputrain parity`` runs a mode of each, in this order)."""
 
 
 def strategy_names() -> list[str]:
     """Every name ``trainer.strategy`` accepts."""
-    return sorted({*STRATEGIES, *LAZY})
+    return sorted(STRATEGIES)
+
+
+def registered(name: str) -> Registered:
+    """The registration of ``name``; a one-line error lists the valid names."""
+    if name not in STRATEGIES:
+        raise ValueError(f"trainer.strategy={name!r} is unknown; choose one of {', '.join(strategy_names())}")
+    return STRATEGIES[name]
+
+
+def processes_per_node(name: str, devices: int) -> int:
+    """How many processes a node starts for strategy ``name`` on ``devices`` (no torch import)."""
+    return 1 if registered(name).one_process else devices
 
 
 def strategy_class(name: str) -> type[Strategy]:
     """The class registered as ``name``; a one-line error lists the valid names."""
-    if name not in STRATEGIES and name in LAZY:
-        module, cls_name = LAZY[name]
-        try:
-            STRATEGIES[name] = getattr(importlib.import_module(module), cls_name)
-        except ModuleNotFoundError as err:
-            if err.name == module:  # a build of gputrain without this strategy: unknown, as below
-                return _imported(name)
-            import torch
+    module, _, cls_name = registered(name).home.partition(":")
+    try:
+        return getattr(importlib.import_module(module), cls_name)  # type: ignore[no-any-return]
+    except ModuleNotFoundError as err:
+        import torch
 
-            raise ValueError(f"trainer.strategy={name} needs {err.name}, which torch {torch.__version__} does not "
-                             "have; install the torch version in requirements.txt") from err
-    return _imported(name)
-
-
-def _imported(name: str) -> type[Strategy]:
-    if name not in STRATEGIES:
-        raise ValueError(f"trainer.strategy={name!r} is unknown; choose one of {', '.join(strategy_names())}")
-    return STRATEGIES[name]
+        raise ValueError(f"trainer.strategy={name} needs {err.name}, which torch {torch.__version__} does not "
+                         "have; install the torch version in requirements.txt") from err
 
 
 def available(name: str) -> bool:
@@ -78,7 +91,3 @@ def build_strategy(cfg: RunConfig, dist_info: DistInfo) -> Strategy:
             "use --strategy ddp for one process per device"
         )
     return cls.from_config(dist_info, cfg)
-
-
-__all__ = ["DDP", "LAZY", "DataParallel", "MicroBatch", "SingleDevice", "Strategy", "STRATEGIES", "available",
-           "build_strategy", "strategy_class", "strategy_names"]

@@ -85,6 +85,9 @@ class Strategy(ABC):
     """How a model, its data and its gradients are spread over processes and devices."""
 
     name: ClassVar[str]
+    splits_batch: ClassVar[bool] = False
+    """Whether the model sees each process's batch in micro-batches (a split model): BatchNorm statistics then
+    differ from one process's by design (``gputrain parity`` says so rather than fail)."""
 
     def __init__(self, dist_info: DistInfo) -> None:
         self.dist = dist_info
@@ -92,8 +95,17 @@ class Strategy(ABC):
     # -- construction --------------------------------------------------------------------
     @classmethod
     def processes_per_node(cls, devices: int) -> int:
-        """How many processes a node starts for ``devices`` (one per device for data parallelism)."""
-        return devices
+        """How many processes a node starts for ``devices``: one per device, or one for all of them as the
+        strategy's registration says (:data:`gputrain.strategies.STRATEGIES`, read by the launcher before torch)."""
+        from gputrain.strategies import processes_per_node
+
+        return processes_per_node(cls.name, devices)
+
+    @classmethod
+    def data_parallel_size(cls, world_size: int) -> int:
+        """How many shares of each step a job of ``world_size`` processes reads at once (1 for a pipeline, whose
+        every stage reads the whole batch); known before the strategy is built, when ``auto`` is resolved."""
+        return world_size
 
     @classmethod
     def from_config(cls, dist_info: DistInfo, cfg: RunConfig) -> Strategy:
@@ -108,12 +120,12 @@ class Strategy(ABC):
     @property
     def dp_size(self) -> int:
         """Data-parallel degree: how many different shares of each step are read at once."""
-        return self.dist.world_size
+        return type(self).data_parallel_size(self.dist.world_size)
 
     @property
     def dp_rank(self) -> int:
         """Which share of each step this rank reads."""
-        return self.dist.rank
+        return self.dist.rank if self.dp_size > 1 else 0
 
     @property
     def computes_loss(self) -> bool:
@@ -248,41 +260,7 @@ class Strategy(ABC):
     def check_loss_inputs(self, outputs: Any, targets: Any) -> None:
         """Refuse outputs/targets the loss cannot combine; the default accepts any."""
 
-    # -- collectives over all ranks (no-ops in one process) ---------------------------------------
+    # -- whether this process is one of several ------------------------------------------------
     @property
     def _collective(self) -> bool:
         return self.dist.world_size > 1 and dist.is_initialized()
-
-    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        """Reduce ``tensor`` in place over all ranks (``sum`` or ``max``) and return it."""
-        if self._collective:
-            dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
-        return tensor
-
-    def gather_objects(self, obj: Any) -> list[Any] | None:
-        """Every rank's ``obj`` on rank 0 (None elsewhere)."""
-        if not self._collective:
-            return [obj]
-        out: list[Any] | None = [None] * self.dist.world_size if self.dist.is_main else None
-        dist.gather_object(obj, out, dst=0)
-        return out
-
-    def all_gather_objects(self, obj: Any) -> list[Any]:
-        """Every rank's ``obj`` on every rank."""
-        if not self._collective:
-            return [obj]
-        out: list[Any] = [None] * self.dist.world_size
-        dist.all_gather_object(out, obj)
-        return out
-
-    def broadcast_object(self, obj: Any) -> Any:
-        """Rank 0's ``obj`` on every rank."""
-        if not self._collective:
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
-
-    def barrier(self) -> None:
-        if self._collective:
-            dist.barrier()

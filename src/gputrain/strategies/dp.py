@@ -77,10 +77,6 @@ class DataParallel(Strategy):
     name = "dp"
 
     @classmethod
-    def processes_per_node(cls, devices: int) -> int:
-        return 1  # one process drives every GPU in device_ids
-
-    @classmethod
     def from_config(cls, dist_info: DistInfo, cfg: RunConfig) -> DataParallel:
         return cls(dist_info, device_ids=cfg.trainer.dp_device_ids, output_device=cfg.trainer.dp_output_device)
 

@@ -8,8 +8,7 @@ unmodified ``nn.Module``: :func:`shard_units` picks the blocks from parameter co
 
 Because forward runs collectives, every rank joins every micro-batch (an empty slice where it has
 no samples) and evaluation runs in lockstep. Checkpoints hold the full, unsharded state with the
-plain model's keys, so they load anywhere; sharded (DCP) checkpoints are in
-:mod:`gputrain.strategies.fsdp_checkpoint`.
+plain model's keys, so they load anywhere; sharded (DCP) checkpoints are in :mod:`gputrain.checkpoint.sharded`.
 """
 
 from __future__ import annotations
@@ -35,10 +34,33 @@ from torch.distributed.tensor import DTensor
 
 from gputrain.dist import DistInfo
 from gputrain.strategies.base import Strategy, strip_module_prefix, tensors_of
-from gputrain.strategies.fsdp_checkpoint import optimizer_state_by_fqn, optimizer_state_by_index
 
 if TYPE_CHECKING:
     from gputrain.config import RunConfig
+
+def optimizer_state_by_index(state: dict[str, Any]) -> dict[str, Any]:
+    """A parameter-name-keyed optimizer state (``get_optimizer_state_dict``) in ``optimizer.state_dict()`` form.
+
+    Indices follow the order of the parameters across ``param_groups``, as torch numbers them, so
+    the result loads into a plain optimizer built over the plain model with ``load_state_dict``.
+    """
+    names = [name for group in state["param_groups"] for name in group["params"]]
+    index = {name: i for i, name in enumerate(names)}
+    groups = [dict(group, params=[index[name] for name in group["params"]]) for group in state["param_groups"]]
+    return {"state": {index[name]: s for name, s in state["state"].items()}, "param_groups": groups}
+
+
+def optimizer_state_by_fqn(state: dict[str, Any], module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """An ordinary index-keyed optimizer state keyed by the names of ``optimizer``'s parameters in ``module``."""
+    name_of = {id(p): name for name, p in module.named_parameters()}
+    names = [name_of[id(p)] for group in optimizer.param_groups for p in group["params"]]
+    saved = sum(len(group["params"]) for group in state["param_groups"])
+    if saved != len(names):
+        raise ValueError(f"the checkpoint's optimizer state has {saved} parameters but this optimizer has "
+                         f"{len(names)}; resume with the same model and optimizer settings")
+    groups = [dict(group, params=[names[i] for i in group["params"]]) for group in state["param_groups"]]
+    return {"state": {names[int(i)]: s for i, s in state["state"].items()}, "param_groups": groups}
+
 
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 """Unsharded tensors gathered to rank 0's CPU memory (other ranks get an empty dict)."""

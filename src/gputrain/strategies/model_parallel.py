@@ -22,12 +22,11 @@ from torch import nn
 
 from gputrain.dist import DistInfo
 from gputrain.strategies.base import move_to_device
+from gputrain.strategies.micro_batches import cat_outputs, chunk_batch
 from gputrain.strategies.stages import (
     SplitOptions,
     StagedStrategy,
-    cat_outputs,
     choose_split,
-    chunk_batch,
     move_and_rebind,
     resolve_stage_devices,
     verify_chain,
@@ -140,10 +139,6 @@ class ModelParallel(StagedStrategy):
         super().__init__(dist_info)
         self.devices = list(devices)
         self.options = options
-
-    @classmethod
-    def processes_per_node(cls, devices: int) -> int:
-        return 1
 
     @classmethod
     def from_config(cls, dist_info: DistInfo, cfg: RunConfig) -> ModelParallel:

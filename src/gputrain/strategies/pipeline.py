@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from gputrain.dist import DistInfo
+from gputrain.dist import DistInfo, comm
 from gputrain.strategies.base import tensors_of
 from gputrain.strategies.pipeline_model import PipelinedModel
 from gputrain.strategies.stages import SplitOptions, StagedStrategy
@@ -64,13 +64,9 @@ class Pipeline(StagedStrategy):
                 f"split_size={o.micro_batch_size}")
 
     # -- topology: every rank reads the whole batch; only the last stage sees outputs ---------------
-    @property
-    def dp_size(self) -> int:
+    @classmethod
+    def data_parallel_size(cls, world_size: int) -> int:
         return 1
-
-    @property
-    def dp_rank(self) -> int:
-        return 0
 
     @property
     def computes_loss(self) -> bool:
@@ -116,7 +112,7 @@ class Pipeline(StagedStrategy):
         params = [p for p in module.local_parameters() if p.grad is not None]
         grads = [p.grad for p in params if p.grad is not None]
         local = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=self.dist.device)
-        total = self.all_reduce(local.double().pow(2).reshape(1)).sqrt().to(local.dtype).reshape(())
+        total = comm.all_reduce(local.double().pow(2).reshape(1)).sqrt().to(local.dtype).reshape(())
         if params:
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
         return total
@@ -126,7 +122,7 @@ class Pipeline(StagedStrategy):
         """The whole model's state_dict on rank 0 (a collective once split; empty dict on other ranks)."""
         if not isinstance(module, PipelinedModel) or module.stage is None:
             return super().model_state_dict(module)
-        parts = self.gather_objects(module.local_model_state())
+        parts = comm.gather_objects(module.local_model_state())
         if parts is None:
             return {}
         return {k: v for part in parts for k, v in part.items()}
@@ -143,7 +139,7 @@ class Pipeline(StagedStrategy):
         local = optimizer.state_dict()
         on_cpu = {i: {k: v.detach().cpu() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
                   for i, s in local["state"].items()}
-        parts = self.gather_objects(on_cpu)
+        parts = comm.gather_objects(on_cpu)
         if parts is None:
             return {}
         return {"state": {i: s for part in parts for i, s in part.items()}, "param_groups": local["param_groups"]}

@@ -19,13 +19,10 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 
 from gputrain.dist import DistInfo
 from gputrain.strategies.base import tensors_of
+from gputrain.strategies.micro_batches import batch_len, cat_outputs, chunk_batch, equal_runs
 from gputrain.strategies.stages import (
     SplitOptions,
-    batch_len,
-    cat_outputs,
     choose_split,
-    chunk_batch,
-    equal_runs,
     move_and_rebind,
     verify_chain,
 )

@@ -12,9 +12,5 @@ class SingleDevice(Strategy):
 
     name = "single"
 
-    @classmethod
-    def processes_per_node(cls, devices: int) -> int:
-        return 1
-
     def setup_module(self, model: nn.Module) -> nn.Module:
         return model.to(self.dist.device)

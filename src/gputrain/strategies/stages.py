@@ -8,15 +8,15 @@ Pure functions (devices, sizes, which block goes where) are tested without proce
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from gputrain.config_checks import check_micro_batches, check_split_options
+from gputrain.config.checks import check_micro_batches, check_split_options
 from gputrain.strategies.base import Strategy
+from gputrain.strategies.micro_batches import batch_len, chunk_batch, micro_batch_sizes, split_size
 
 if TYPE_CHECKING:
     from gputrain.config import OptimConfig, RunConfig
@@ -105,65 +105,6 @@ def block_devices(names: Sequence[str], split_indices: Sequence[int], devices: S
     return {name: devices[s] for name, s in zip(names, stage_of_blocks(len(names), split_indices), strict=True)}
 
 
-# -- micro-batches -------------------------------------------------------------------------------
-def micro_batch_sizes(batch_size: int, micro_batches: int) -> list[int]:
-    """The sizes a batch is cut into: chunks of :func:`split_size`, the last one holding the remainder."""
-    size = split_size(batch_size, micro_batches)
-    return [size] * (batch_size // size) + ([batch_size % size] if batch_size % size else [])
-
-
-def split_size(batch_size: int, micro_batches: int) -> int:
-    """Samples per micro-batch: ceil(batch / M), the tutorial's ``split_size``. A short batch gets fewer
-    micro-batches of this size (and a shorter last one), so its micro-batches are the ones that one
-    process with ``batch_size / M`` and ``accumulate_grad_batches = M`` would run."""
-    return max(1, math.ceil(batch_size / micro_batches))
-
-
-def batch_len(batch: Any) -> int:
-    """Samples in a batch: the length of its first tensor."""
-    if isinstance(batch, torch.Tensor):
-        return len(batch)
-    if isinstance(batch, dict):
-        return batch_len(next(iter(batch.values())))
-    if isinstance(batch, (list, tuple)) and batch:
-        return batch_len(batch[0])
-    raise ValueError(f"cannot cut a batch of {type(batch).__name__} into micro-batches; give tensors")
-
-
-def chunk_batch(batch: Any, size: int) -> list[Any]:
-    """``batch`` cut along dim 0 into pieces of ``size`` (the last may be shorter); nested containers kept."""
-    if isinstance(batch, torch.Tensor):
-        return list(batch.split(size))
-    if isinstance(batch, dict):
-        parts = {k: chunk_batch(v, size) for k, v in batch.items()}
-        return [dict(zip(parts, values, strict=True)) for values in zip(*parts.values(), strict=True)]
-    if isinstance(batch, (list, tuple)):
-        columns = [chunk_batch(v, size) for v in batch]
-        return [type(batch)(values) for values in zip(*columns, strict=True)]
-    raise ValueError(f"cannot cut a batch of {type(batch).__name__} into micro-batches; give tensors")
-
-
-def equal_runs(sizes: Sequence[int]) -> list[tuple[int, int]]:
-    """``[4, 4, 4, 1]`` -> ``[(0, 3), (3, 4)]``: runs of consecutive equal sizes, as (start, stop)."""
-    runs: list[tuple[int, int]] = []
-    for i, size in enumerate(sizes):
-        if runs and sizes[runs[-1][0]] == size:
-            runs[-1] = (runs[-1][0], i + 1)
-        else:
-            runs.append((i, i + 1))
-    return runs
-
-
-def cat_outputs(outputs: Sequence[Any]) -> Any:
-    """Concatenate micro-batch outputs along dim 0 (tensors, or tuples of tensors)."""
-    first = outputs[0]
-    if isinstance(first, torch.Tensor):
-        return torch.cat(list(outputs))
-    if isinstance(first, tuple):
-        return tuple(torch.cat([o[i] for o in outputs]) for i in range(len(first)))
-    raise ValueError(f"the model's last stage returned {type(first).__name__}; split models must return tensors")
-
-
 # -- choosing the split ----------------------------------------------------------------------------
 def memory_caps(options: SplitOptions, devices: Sequence[torch.device]) -> list[float] | None:
     """Per-stage caps in bytes: given ones, else each CUDA device's memory; None on CPU (no cap)."""
@@ -185,12 +126,8 @@ def choose_split(blocks: Sequence[Block], options: SplitOptions, devices: Sequen
     each stage runs in the printed plan (default: its device).
     """
     # gputrain.parallel imports torchvision (its block adapters): imported when a model is split, not with gputrain.
-    from gputrain.parallel.partition import (
-        format_plan,
-        partition_by_params,
-        plan_from_costs,
-        plan_from_split_points,
-    )
+    from gputrain.parallel.partition import partition_by_params, plan_from_split_points
+    from gputrain.parallel.plan import format_plan, plan_from_costs
     names = [name for name, _ in blocks]
     where = list(labels) or [str(d) for d in devices]
     if options.stages == 1:
@@ -224,7 +161,8 @@ def _label(names: Sequence[str]) -> str:
 def _simple_plan(blocks: Sequence[Block], split: Sequence[int], where: Sequence[str], options: SplitOptions,
                  method: str) -> str:
     """The plan without measured times: blocks, device and parameters per stage, and the bubble."""
-    from gputrain.parallel.partition import bubble, format_bytes
+    from gputrain.parallel.partition import format_bytes
+    from gputrain.parallel.plan import bubble
     bounds = [0, *split, len(blocks)]
     rows = [("stage", "blocks", "on", "params")]
     for s, (a, b) in enumerate(zip(bounds, bounds[1:], strict=False)):
@@ -295,6 +233,7 @@ class StagedStrategy(Strategy):
     """
 
     wrapper: ClassVar[type[torch.nn.Module]]
+    splits_batch = True
     options: SplitOptions
 
     def check_batch(self, batch_size: int, model: torch.nn.Module | None = None) -> None:

@@ -6,7 +6,7 @@ from collections.abc import Callable
 from typing import Any
 
 from gputrain.config import RunConfig
-from gputrain.imports import resolve
+from gputrain.extras import resolve
 from gputrain.tasks.spec import TaskSpec
 
 BUILTIN_TASKS: dict[str, str] = {

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -74,3 +75,14 @@ class Task:
         The default shows the image alone; each built-in task draws its own kind of prediction.
         """
         return image, ""
+
+    def write_predictions(self, inputs: Sequence[Any], results: Sequence[Any], out: Path) -> str:
+        """Write what ``gputrain predict`` keeps of ``results`` (``results[i]`` is the prediction of ``inputs[i]``,
+        an image file with ``.path`` and ``.stem``) into ``out``; returns what was written, for predict's one line.
+
+        The default (the autoencoder, any task of your own) draws each prediction beside its image:
+        ``reconstructions/<stem>.png``.
+        """
+        from gputrain.tasks.draw import write_pictures
+
+        return write_pictures(self, inputs, results, out, "reconstructions", ".png")

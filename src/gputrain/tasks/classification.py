@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import csv
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +62,19 @@ class ClassificationTask(Task):
         if target is not None:
             caption += f" (true: {name_of(self.class_names, int(target))})"
         return image, caption
+
+    def write_predictions(self, inputs: Sequence[Any], results: Sequence[Any], out: Path) -> str:
+        """``predictions.csv``: ``file,label,class,score`` and the top 5 as space-separated lists."""
+        path = out / "predictions.csv"
+        with path.open("w", newline="", encoding="utf-8") as f:
+            writer = csv.writer(f)
+            writer.writerow(["file", "label", "class", "score", "top5_labels", "top5_classes", "top5_scores"])
+            for item, r in zip(inputs, results, strict=True):
+                labels, scores = r["labels"].tolist(), r["scores"].tolist()
+                writer.writerow([str(item.path), labels[0], name_of(self.class_names, labels[0]), f"{scores[0]:.6f}",
+                                 " ".join(map(str, labels)), " ".join(name_of(self.class_names, k) for k in labels),
+                                 " ".join(f"{s:.6f}" for s in scores)])
+        return str(path)
 
 
 def _stats(cfg: RunConfig) -> tuple[tuple[float, ...], tuple[float, ...]]:

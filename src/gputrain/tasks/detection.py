@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import atexit
+import json
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, cast
 
@@ -19,7 +20,7 @@ from gputrain.metrics.base import Evaluator
 from gputrain.metrics.detection import CocoEvaluator
 from gputrain.models import build_configured_model
 from gputrain.tasks.base import Task
-from gputrain.tasks.draw import SCORE_THRESHOLD, draw_detections
+from gputrain.tasks.draw import SCORE_THRESHOLD, draw_detections, write_pictures
 from gputrain.tasks.spec import TaskSpec
 
 
@@ -49,6 +50,31 @@ class DetectionTask(Task):
         found = int((output["scores"] >= SCORE_THRESHOLD).sum())
         caption = f"{found} found" + (f" of {len(target['labels'])}" if target is not None else "")
         return draw_detections(image, output, self.class_names), caption
+
+    def write_predictions(self, inputs: Sequence[Any], results: Sequence[Any], out: Path) -> str:
+        """``predictions.json`` in COCO results format (the annotation file's image ids where the image is in it)
+        and ``overlays/<stem>.jpg``."""
+        from gputrain.metrics.detection import detections_to_coco
+
+        by_name: dict[str, list[int]] = {}
+        for file_name, image_id in self.image_ids.items():
+            by_name.setdefault(Path(file_name).name, []).append(image_id)
+        next_id = max(self.image_ids.values(), default=0) + 1
+        entries: list[tuple[int, list[dict[str, Any]]]] = []
+        for item, r in zip(inputs, results, strict=True):
+            ids = by_name.get(item.path.name, [])
+            if len(ids) == 1:
+                image_id = ids[0]
+            else:  # not in the annotation file (or ambiguous): a new id past the file's
+                image_id, next_id = next_id, next_id + 1
+            output = {**r, "masks": r["masks"].float()} if "masks" in r else r
+            entries.append((image_id, detections_to_coco(output, image_id, self.label_to_category,
+                                                         with_masks="masks" in r)))
+        # Sorted by image id, each image's detections in model order: the list gputrain eval scores.
+        detections = [d for _, ds in sorted(entries, key=lambda e: e[0]) for d in ds]
+        (out / "predictions.json").write_text(json.dumps(detections))
+        write_pictures(self, inputs, results, out, "overlays", ".jpg")
+        return f"{out / 'predictions.json'} and {out / 'overlays'}"
 
     def collate_fn(self):  # noqa: ANN201
         return detection_collate

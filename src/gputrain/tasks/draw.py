@@ -7,12 +7,14 @@ Every function takes and returns ``uint8 (3, H, W)`` tensors on the CPU. Class `
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
+from torchvision.io import write_jpeg, write_png
 from torchvision.utils import draw_bounding_boxes, draw_segmentation_masks
 
-from gputrain.data.images import class_colour
+from gputrain.data.images import class_colour, read_image_rgb
 
 SCORE_THRESHOLD = 0.5
 """Detections drawn on overlays score at least this (predictions.json keeps them all)."""
@@ -63,3 +65,14 @@ def side_by_side(*images: torch.Tensor, gap: int = 2) -> torch.Tensor:
     for i, im in enumerate(images):
         parts += [spacer, im] if i else [im]
     return torch.cat(parts, dim=2)
+
+
+def write_pictures(task: Any, inputs: Sequence[Any], results: Sequence[Any], out: Path, folder: str, suffix: str) -> str:
+    """Each prediction drawn by its task on the original image (JPEG for overlays, PNG for reconstructions), in
+    ``out/folder/<stem><suffix>``; ``inputs[i]`` (with ``.path`` and ``.stem``) is ``results[i]``'s image. Returns the folder."""
+    (out / folder).mkdir(exist_ok=True)
+    for item, r in zip(inputs, results, strict=True):
+        picture, _ = task.draw(read_image_rgb(item.path), r)
+        path = str(out / folder / f"{item.stem}{suffix}")
+        write_jpeg(picture, path, quality=90) if suffix == ".jpg" else write_png(picture, path)
+    return str(out / folder)

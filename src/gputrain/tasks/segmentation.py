@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torchvision import tv_tensors
+from torchvision.io import write_png
 
 from gputrain.config import RunConfig
 from gputrain.data.ade20k import ADE20K, IGNORE_INDEX, segmentation_transform
@@ -16,7 +18,7 @@ from gputrain.metrics.base import Evaluator
 from gputrain.metrics.segmentation import SegmentationEvaluator
 from gputrain.models import build_configured_model
 from gputrain.tasks.base import Task
-from gputrain.tasks.draw import denormalize, overlay_labels, side_by_side
+from gputrain.tasks.draw import denormalize, overlay_labels, side_by_side, write_pictures
 from gputrain.tasks.spec import TaskSpec
 
 
@@ -65,6 +67,16 @@ class SegmentationTask(Task):
         if target is None:
             return predicted, "prediction"
         return side_by_side(overlay_labels(image, target.cpu(), self.num_classes), predicted), "truth | prediction"
+
+    def write_predictions(self, inputs: Sequence[Any], results: Sequence[Any], out: Path) -> str:
+        """``masks/<stem>.png`` in ADE20K's encoding (class ``k`` stored as ``k + 1``, 0 unlabeled) at the image's
+        size, and ``overlays/<stem>.jpg``."""
+        (out / "masks").mkdir(exist_ok=True)
+        for item, labels in zip(inputs, results, strict=True):
+            # ADE20K's encoding: stored value k + 1 for class k (0 is "other", never predicted).
+            write_png((labels.to(torch.int16) + 1).to(torch.uint8)[None], str(out / "masks" / f"{item.stem}.png"))
+        write_pictures(self, inputs, results, out, "overlays", ".jpg")
+        return f"{out / 'masks'} and {out / 'overlays'}"
 
 
 def _logits(outputs: Any) -> torch.Tensor:

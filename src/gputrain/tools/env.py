@@ -178,14 +178,3 @@ def cmd_env(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
     info = collect_env()
     print(json.dumps(info, indent=2) if args.json else format_env(info))
     return 0
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m gputrain.tools.env ...``: the same as ``gputrain env ...`` (flags: gputrain.cli_parser)."""
-    from gputrain.cli import main as cli_main
-
-    return cli_main(["env", *(sys.argv[1:] if argv is None else argv)])
-
-
-if __name__ == "__main__":
-    sys.exit(main())

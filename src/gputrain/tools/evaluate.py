@@ -7,7 +7,7 @@ from typing import Any
 
 from gputrain.config import RunConfig
 from gputrain.dist import init_distributed, teardown
-from gputrain.loop import Trainer
+from gputrain.engine.trainer import Trainer
 from gputrain.tasks import build_task
 from gputrain.tools.from_checkpoint import load_fitting, load_for_eval, saved_config
 

@@ -18,7 +18,7 @@ from torch import nn
 
 from gputrain.checkpoint import load_checkpoint
 from gputrain.config import RunConfig
-from gputrain.preflight import require
+from gputrain.extras import require
 from gputrain.tools.from_checkpoint import build_fitting_model, config_from_checkpoint, load_fitting
 
 EXPORT_PACKAGES = ("onnx", "onnxscript", "onnxruntime")

@@ -10,8 +10,8 @@ from typing import Any
 
 from gputrain.config import RunConfig
 from gputrain.dist import init_distributed, teardown
-from gputrain.loop import Trainer
-from gputrain.loop_state import seed_everything
+from gputrain.engine.state import seed_everything
+from gputrain.engine.trainer import Trainer
 from gputrain.tasks import build_task
 
 # Flags whose value the resume command replaces or drops (they would clear or move the run).

@@ -1,0 +1,272 @@
+"""The argument parser of the ``gputrain`` command; ``gputrain.cli`` holds what each sub-command does.
+
+This module imports no torch (nor anything that does): ``--help``, ``--version`` and usage errors
+answer in a fraction of a second. A new sub-command adds its parser here and a ``cmd_*`` function
+in ``gputrain.cli`` that imports its tool inside the function.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from gputrain.config import builtin_recipes
+from gputrain.tools.diagnose import MODE_NAMES
+
+Handler = Callable[[argparse.Namespace, Sequence[str]], int]
+
+DESCRIPTION = """\
+gputrain trains vision models (a conv autoencoder, ResNet-18/50, DeepLabv3+, Mask R-CNN) from one YAML
+recipe on a CPU, one GPU, several GPUs or several machines, with the same result at every scale."""
+
+EPILOG = f"""\
+commands:
+  train RECIPE [flags] [key=value ...]   train; each run gets a new folder runs/RECIPE-DATE-TIME
+                                         (runs/latest points to the newest)
+  eval [RECIPE] --checkpoint PATH        evaluate a checkpoint with the config saved in it; writes eval.json
+  export onnx --checkpoint PATH --out F  export a checkpoint to ONNX, checked with onnxruntime
+  predict --checkpoint PATH --input IMAGES --out DIR   run a checkpoint on images; writes predictions
+  report RUN_DIR                         draw curves.png and samples.png of a run
+  data make KIND --out DIR               write a small sample data set in a real on-disk format
+  bench scale RECIPE --devices 1,2       time a recipe over device counts and batch sizes
+  bench throughput RECIPE [--json F]     images/s with real and synthetic data, input-bound ratio, FLOPs, memory
+  parity RECIPE                          do all ways of running a recipe train the same model?
+  doctor RECIPE                          a short dry run on real ranks that reports distributed mistakes
+  env                                    versions, devices and distributed settings of this machine
+
+built-in recipes: {', '.join(builtin_recipes())}
+
+example (sample data, 2 processes, export):
+  gputrain data make imagefolder --out data/frames
+  gputrain train autoencoder --devices 2 --epochs 5
+  gputrain export onnx --checkpoint runs/latest/checkpoints/last.pt --out runs/latest/model.onnx
+
+`gputrain COMMAND --help` lists a command's flags. Documentation: docs/index.md in the source tree;
+exit codes and what each command writes where: docs/cli.md."""
+
+
+MINIMUM = {"devices": 1, "epochs": 1, "batch_size": 1, "nnodes": 1, "node_rank": 0, "max_restarts": 0,
+           "count": 1, "size": 1, "opset": 7}
+"""Smallest value of each numeric flag; config fields have their ranges in gputrain.config.checks."""
+
+
+def check_flags(args: argparse.Namespace) -> None:
+    """Numbers no run can use, refused before anything starts, naming the flag."""
+    for name, low in MINIMUM.items():
+        values = getattr(args, name, None)
+        for value in values if isinstance(values, list) else [values]:
+            if value is not None and value < low:
+                raise ValueError(f"--{name.replace('_', '-')} {value}: must be at least {low}")
+
+
+COMMON_FLAGS = {"data_root": "data.root", "accelerator": "trainer.accelerator"}
+"""Flags of every command that runs a recipe (train, eval, parity, doctor, bench scale, export onnx), by the
+config field each sets; :func:`add_common_flags` defines them, :func:`common_overrides` turns them into overrides."""
+
+
+def add_common_flags(p: argparse.ArgumentParser) -> None:
+    """The flags in :data:`COMMON_FLAGS`, defined once for every command that runs a recipe."""
+    p.add_argument("--data-root", help="dataset folder (data.root)")
+    p.add_argument("--accelerator", choices=["auto", "cpu", "cuda"], help="where to run (trainer.accelerator)")
+
+
+def common_overrides(args: argparse.Namespace) -> list[str]:
+    """``data.root='...'``-style overrides for the common flags given (YAML-quoted: any path survives)."""
+    given = [(key, getattr(args, name, None)) for name, key in COMMON_FLAGS.items()]
+    return [f"{key}='{str(value).replace(chr(39), chr(39) * 2)}'" for key, value in given if value is not None]
+
+
+class _Version(argparse.Action):
+    """``--version``: the versions of torch and torchvision from their metadata, without importing them."""
+
+    def __init__(self, option_strings: Sequence[str], version: str, dest: str = argparse.SUPPRESS,
+                 help: str = "print versions and exit") -> None:  # noqa: A002 (argparse's name)
+        super().__init__(option_strings=option_strings, dest=dest, default=argparse.SUPPRESS, nargs=0, help=help)
+        self.version = version
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        from importlib.metadata import PackageNotFoundError, version
+
+        def of(name: str) -> str:
+            try:
+                return version(name)
+            except PackageNotFoundError:
+                return "not installed"
+
+        print(f"gputrain {self.version} (torch {of('torch')}, torchvision {of('torchvision')})")  # stdout, as argparse's
+        parser.exit()
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers, e.g. 1,2") from None
+
+
+def _run_flags(p: argparse.ArgumentParser, *, training: bool, hidden: Sequence[str] = ()) -> None:
+    """Flags of train (``training``) and eval; eval keeps ``hidden`` train flags out of its --help."""
+    def maybe(name: str, help_text: str) -> str:
+        return argparse.SUPPRESS if not training and name in hidden else help_text
+
+    example = "optim.lr=0.01 'trainer.loggers=[csv]'" if training else "trainer.eval_batch_size=64"
+    p.add_argument("overrides", nargs="*", help=f"dotted config overrides, e.g. {example}")
+    p.add_argument("--devices", type=int, help="processes on this node (one per GPU; ddp)")
+    p.add_argument("--strategy", help="single, ddp, dp, ... (trainer.strategy)")
+    add_common_flags(p)
+    p.add_argument("--precision", choices=["auto", "mixed", "32", "16-mixed", "bf16-mixed"],
+                   help="a recipe's 16-bit default falls back to 32 on a CPU; this flag is obeyed")
+    p.add_argument("--batch-size", type=int, help="per device; the global batch is printed at start")
+    if training:
+        p.add_argument("--out", help="run folder (default: a new runs/RECIPE-DATE-TIME; runs/latest points to it); "
+                                     "a non-empty one needs --resume auto or --overwrite")
+        p.add_argument("--overwrite", action="store_const", const=True, default=None,
+                       help="delete the contents of a non-empty --out run folder first")
+    else:
+        p.add_argument("--out", help="folder for eval.json (default: RUN/eval beside the checkpoint's run)")
+        p.add_argument("--overwrite", action="store_const", const=True, default=None,
+                       help="replace an eval.json already in --out")
+    p.add_argument("--nnodes", type=int, help="nodes in the job (torchrun rendezvous)")
+    p.add_argument("--node-rank", type=int)
+    p.add_argument("--rdzv-endpoint", help="HOST:PORT of the c10d rendezvous for multi-node jobs")
+    p.add_argument("--epochs", type=int, help=maybe("epochs", "epochs to train (trainer.epochs)"))
+    p.add_argument("--seed", type=int, help=maybe("seed", "seed of weights, data order and augmentation"))
+    p.add_argument("--resume", help=maybe("resume", "auto (continue --out from its newest checkpoint) or a checkpoint"))
+    p.add_argument("--max-restarts", type=int, help=maybe("max_restarts", "torchrun elastic restarts"))
+
+
+def build_parser(description: str, epilog: str, version: str, eval_hidden: Sequence[str],
+                 handlers: Mapping[str, Handler]) -> argparse.ArgumentParser:
+    """The whole command line; ``handlers`` maps sub-command names to the functions that run them."""
+    raw: dict[str, Any] = {"formatter_class": argparse.RawDescriptionHelpFormatter}
+    parser = argparse.ArgumentParser(prog="gputrain", description=description, epilog=epilog, **raw)
+    parser.add_argument("--version", action=_Version, version=version)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    recipes = ", ".join(builtin_recipes())
+    train = sub.add_parser("train", help="train a recipe on 1 process or many",
+                           description="Train a recipe. Each run writes config.yaml, metrics.jsonl, checkpoints/ and "
+                                       "summary.json into its run folder.")
+    train.add_argument("recipe", help=f"built-in recipe ({recipes}) or a YAML file")
+    _run_flags(train, training=True)
+    train.set_defaults(func=handlers["train"])
+
+    ev = sub.add_parser("eval", help="evaluate a checkpoint exactly, on any device count",
+                        description="Evaluate a checkpoint with the task, model and data settings saved in it "
+                                    "(flags and overrides win). Writes eval.json.")
+    ev.add_argument("recipe", nargs="?", default=None,
+                    help="optional: a recipe for how to run (batch size, strategy); the checkpoint says what it is")
+    ev.add_argument("--checkpoint", required=True, help="a checkpoint file, e.g. runs/ae/checkpoints/last.pt")
+    _run_flags(ev, training=False, hidden=eval_hidden)
+    ev.set_defaults(func=handlers["eval"])
+
+    data = sub.add_parser("data", help="sample data sets").add_subparsers(dest="data_command", required=True)
+    make = data.add_parser("make", help="write a small learnable sample set in a real on-disk format")
+    make.add_argument("kind", choices=["imagefolder", "classfolder", "cifar10", "ade20k", "coco"])
+    make.add_argument("--out", required=True, help="a new or empty folder")
+    make.add_argument("--count", type=int, default=None, help="number of images (default: the kind's)")
+    make.add_argument("--size", type=int, default=None, help="image side in pixels (default: the kind's)")
+    make.add_argument("--seed", type=int, default=0)
+    make.set_defaults(func=handlers["data make"])
+
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
+    scale = bench.add_parser("scale", help="time a recipe over device counts and batch sizes")
+    scale.add_argument("recipe")
+    scale.add_argument("overrides", nargs="*")
+    scale.add_argument("--devices", type=_int_list, default=[1, 2], help="e.g. 1,2")
+    scale.add_argument("--batch-size", type=_int_list, default=[64, 128], help="per device, e.g. 64,128")
+    scale.add_argument("--epochs", type=int, default=2)
+    add_common_flags(scale)
+    scale.add_argument("--out", default=None, help="folder for scale.json/md/png (default: a new runs/scale-DATE-TIME)")
+    scale.add_argument("--overwrite", action="store_true", help="replace the contents of a non-empty --out")
+    scale.set_defaults(func=handlers["bench scale"])
+
+    tput = bench.add_parser("throughput", help="training images/s with real and synthetic data, FLOPs, memory")
+    tput.add_argument("recipe")
+    tput.add_argument("overrides", nargs="*")
+    tput.add_argument("--epochs", type=int, default=3, help="epochs per run; the first is not timed")
+    tput.add_argument("--json", default=None, help="also write the result to this JSON file")
+    add_common_flags(tput)
+    tput.add_argument("--out", default=None, help="folder for the two runs (default: a new runs/throughput-DATE-TIME)")
+    tput.add_argument("--overwrite", action="store_true", help="replace the contents of a non-empty --out")
+    tput.set_defaults(func=handlers["bench throughput"])
+
+    export = sub.add_parser("export", help="export models").add_subparsers(dest="export_command", required=True)
+    onnx = export.add_parser("onnx", help="export a checkpoint to ONNX and check it with onnxruntime")
+    onnx.add_argument("recipe", nargs="?", default=None,
+                      help="optional: the recipe, for a checkpoint without a saved config (one of another model "
+                           "is ignored, with a line saying so)")
+    onnx.add_argument("overrides", nargs="*", help="dotted overrides of the checkpoint's saved config")
+    onnx.add_argument("--checkpoint", required=True)
+    onnx.add_argument("--out", required=True, help="the .onnx file to write")
+    onnx.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
+    onnx.add_argument("--input-shape", type=_int_list, default=None, help="e.g. 1,3,80,80 (default: from the data)")
+    onnx.add_argument("--opset", type=int, default=18)
+    add_common_flags(onnx)
+    onnx.set_defaults(func=handlers["export onnx"])
+
+    pred = sub.add_parser("predict", help="run a checkpoint on image files and write its predictions",
+                          description="Predict with a checkpoint's own config and evaluation preprocessing; every "
+                                      "image once across processes; rank 0 writes into --out (docs/predict.md).")
+    pred.add_argument("overrides", nargs="*", help="dotted overrides of the checkpoint's saved config")
+    pred.add_argument("--checkpoint", required=True, help="a checkpoint file, e.g. runs/latest/checkpoints/last.pt")
+    pred.add_argument("--input", nargs="+", required=True, help="image files and/or folders of images")
+    pred.add_argument("--out", required=True, help="folder for the predictions (a non-empty one needs --overwrite)")
+    pred.add_argument("--overwrite", action="store_true", help="replace predictions already in --out")
+    pred.add_argument("--annotations", default="", help="detection: the COCO json whose image and category ids to use")
+    pred.add_argument("--devices", type=int, help="processes on this node")
+    pred.add_argument("--accelerator", choices=["auto", "cpu", "cuda"])
+    pred.add_argument("--precision", choices=["auto", "mixed", "32", "16-mixed", "bf16-mixed"])
+    pred.add_argument("--batch-size", type=int, help="images per process per forward")
+    pred.set_defaults(func=handlers["predict"])
+
+    report = sub.add_parser("report", help="draw curves.png and samples.png of a run folder",
+                            description="Write curves.png (loss and metric per epoch, from metrics.jsonl) and "
+                                        "samples.png (validation predictions of checkpoints/last.pt) into RUN_DIR.")
+    report.add_argument("run_dir", help="a run folder, e.g. runs/latest")
+    report.add_argument("--samples", type=int, default=8, help="validation images in samples.png (0: none)")
+    report.set_defaults(func=handlers["report"])
+
+    _add_tools(sub, handlers)
+    return parser
+
+
+def _add_tools(sub: Any, handlers: Mapping[str, Handler]) -> None:
+    """parity, doctor and env: the diagnostic tools."""
+    p = sub.add_parser("parity", help="train a few steps in several modes and compare losses and weights")
+    p.add_argument("recipe", help="built-in recipe or a YAML file (its task may name package.module:function)")
+    p.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. trainer.sync_batchnorm=true")
+    p.add_argument("--modes", type=lambda s: [x for x in s.split(",") if x], default=list(PARITY_MODES),
+                   help=f"comma-separated, from {','.join(PARITY_MODES)} (default: all)")
+    p.add_argument("--global-batch", type=int, default=None, help="samples per optimizer step (default: "
+                                                                   "trainer.batch_size); even")
+    p.add_argument("--steps", type=int, default=2, help="optimizer steps per epoch")
+    p.add_argument("--epochs", type=int, default=2, help="epochs (2 crosses an epoch boundary)")
+    p.add_argument("--tol", type=float, default=1e-5, help="largest allowed |loss| and |weight| difference")
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds a collective may wait (a hung mode fails)")
+    p.add_argument("--dtype", choices=["float64", "float32"], default="float64",
+                   help="float64 (default) compares the arithmetic without rounding noise; float32 as trained")
+    p.add_argument("--json", action="store_true", help="machine-readable report")
+    add_common_flags(p)
+    p.set_defaults(func=handlers["parity"])
+
+    p = sub.add_parser("doctor", help="dry-run a recipe on real ranks and report distributed mistakes")
+    p.add_argument("recipe", help="built-in recipe or a YAML file (its task may name package.module:function)")
+    p.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. trainer.batch_size=8")
+    p.add_argument("--devices", type=int, default=None, help="ranks of the dry run (default: the recipe's, at least 2)")
+    p.add_argument("--steps", type=int, default=3, help="optimizer steps per epoch; the dry run has 2 epochs")
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds a collective may wait before the run is "
+                                                               "declared hung")
+    p.add_argument("--json", action="store_true", help="machine-readable report")
+    add_common_flags(p)
+    p.set_defaults(func=handlers["doctor"])
+
+    p = sub.add_parser("env", help="versions, devices, topology, distributed variables and backends")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=handlers["env"])
+
+
+PARITY_MODES = MODE_NAMES
+"""The modes of ``gputrain parity``: one per registered strategy, and gradient accumulation."""

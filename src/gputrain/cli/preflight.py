@@ -1,0 +1,126 @@
+"""What the launcher checks before any worker starts: the task's packages, data paths, precision, devices, weights.
+
+A missing folder found by the workers costs their start-up (imports, rendezvous: tens of seconds
+on a busy machine) and prints once per rank; found here it costs nothing and prints once. Every
+failure is one line naming the field or package and the fix. This module imports no torch, so
+the loggers and the command line can use it freely.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from gputrain.extras import require
+
+if TYPE_CHECKING:
+    from gputrain.config import RunConfig
+
+TASK_PACKAGES: dict[str, tuple[str, ...]] = {"detection": ("pycocotools",)}
+"""Optional packages a built-in task needs (data loading and evaluation)."""
+
+SAMPLE_DATA = {"autoencoder": "imagefolder", "segmentation": "ade20k", "detection": "coco",
+               "classification:cifar10": "cifar10", "classification:classfolder": "classfolder"}
+"""The ``gputrain data make`` kind that writes sample data for each built-in task (and format)."""
+
+SLOW_ON_CPU = ("16-mixed", "bf16-mixed")
+
+
+def check_packages(cfg: RunConfig) -> None:
+    """The optional packages the run's loggers and task need are installed."""
+    for name in cfg.trainer.loggers:
+        if name in ("tensorboard", "wandb"):
+            require(name, f"trainer.loggers=[{name}]")
+    for module in TASK_PACKAGES.get(cfg.task, ()):
+        require(module, f"task {cfg.task}")
+
+
+def _sample_kind(cfg: RunConfig) -> str:
+    return SAMPLE_DATA.get(cfg.task) or SAMPLE_DATA.get(f"{cfg.task}:{cfg.data.format}", "")
+
+
+def check_data_paths(cfg: RunConfig) -> None:
+    """``data.root`` (and ``val_root``, ``annotations`` when set) exist and are readable, for built-in tasks.
+
+    A task of your own (``package.module:function``) reads what it likes, so it is not checked here.
+    With ``data.download=true`` the data set is downloaded first (once per node: this runs in the launcher).
+    """
+    from gputrain.data.download import download_data
+    from gputrain.tasks import BUILTIN_TASKS
+
+    download_data(cfg)
+
+    if cfg.task not in BUILTIN_TASKS:
+        return
+    kind = _sample_kind(cfg)
+    for field, value in (("data.root", cfg.data.root), ("data.val_root", cfg.data.val_root),
+                         ("data.annotations", cfg.data.annotations)):
+        if not value:
+            continue
+        path = Path(value)
+        if not path.exists():
+            where = "" if path.is_absolute() else f" (relative to {Path.cwd()})"
+            fix = (f"make sample data with `gputrain data make {kind} --out {value}` or point --data-root at your data"
+                   if field == "data.root" and kind else f"set {field} to an existing path")
+            raise FileNotFoundError(f"{field}={value} does not exist{where}; {fix}")
+        if not os.access(path, os.R_OK | (os.X_OK if path.is_dir() else 0)):
+            raise ValueError(f"{field}={value} is not readable by this user; check its permissions")
+
+
+def cpu_precision(precision: str, accelerator: str, *, explicit: bool) -> tuple[str, str]:
+    """The precision to run and a line to print, for 16-bit precisions on a CPU.
+
+    float16 autocast has no fast CPU kernels (the ADE20K recipe ran about 20x slower than in
+    float32), so a recipe's 16-bit default falls back to 32 on a CPU; an explicit
+    ``--precision`` is obeyed, with a warning.
+    """
+    if precision not in SLOW_ON_CPU:
+        return precision, ""  # decided without torch (the launcher's usual case)
+    from gputrain.dist import resolve_accelerator
+
+    if resolve_accelerator(accelerator) != "cpu":
+        return precision, ""
+    if explicit:
+        return precision, (f"gputrain: warning: precision {precision} on a CPU: 16-bit autocast runs about 20x slower "
+                           "there than 32")
+    return "32", (f"gputrain: precision {precision} (from the recipe) falls back to 32 on a CPU, where 16-bit autocast "
+                  f"is about 20x slower; pass --precision {precision} to use it anyway")
+
+
+def check_accelerator(accelerator: str) -> None:
+    """``trainer.accelerator=cuda`` on a machine without a CUDA device is refused before any rank starts; ``auto``
+    and ``cpu`` need no check (and no torch import: the ranks start sooner)."""
+    if accelerator == "cuda":
+        from gputrain.dist import resolve_accelerator
+
+        resolve_accelerator(accelerator)
+
+
+def devices_note(strategy: str, devices: int, accelerator: str) -> str:
+    """A line when the strategy starts fewer processes than ``--devices`` asks for (dp: one process)."""
+    from gputrain.strategies import processes_per_node
+
+    procs = processes_per_node(strategy, devices)
+    if procs >= devices:
+        return ""
+    from gputrain.dist import resolve_accelerator
+
+    where = ("on a CPU it uses one device" if resolve_accelerator(accelerator) == "cpu"
+             else "its own options pick the GPUs it drives, e.g. trainer.dp_device_ids for dp")
+    return (f"gputrain: strategy {strategy} runs {procs} process per node, so --devices {devices} starts no more "
+            f"processes ({where}); use --strategy ddp for one process per device")
+
+
+def fetch_weights(cfg: RunConfig) -> None:
+    """Fetch ``model.weights`` into the torch hub cache once per node, before any worker starts.
+
+    The launcher is one process per node, so this is the one download of the node; the workers find
+    the file cached and only load it. Offline without the cached file: one line naming the file, its URL
+    and the folder to put it in.
+    """
+    if not cfg.model.weights or not cfg.model.name:  # no name yet: the task's default model fetches when built
+        return
+    from gputrain.models.pretrained import fetch, weights_source
+
+    fetch(weights_source(cfg.model.name, cfg.model.kwargs, cfg.model.weights))

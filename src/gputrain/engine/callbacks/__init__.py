@@ -1,0 +1,1 @@
+"""The hooks every run gets (:func:`gputrain.engine.defaults.default_hooks`): checkpoints, logging, progress, pictures."""

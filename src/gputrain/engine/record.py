@@ -1,0 +1,162 @@
+"""What a run records about itself besides checkpoints and logs, and what it removes when it never started.
+
+The run folder it chose (and marked as gputrain's), ``config.yaml`` and the start-up line, ``summary.json``
+when training ends; the config of a run started from Python (which used no recipe); the answer to resuming a
+finished run; and the cleanup after a fresh run that failed before its first step, so that its folder is not
+later taken for a run to continue.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from gputrain.config.load import to_yaml
+from gputrain.config.schema import RunConfig
+from gputrain.dist import DistInfo, comm
+from gputrain.runs import folder as run_folder
+from gputrain.runs.records import strict_json
+
+if TYPE_CHECKING:
+    from gputrain.checkpoint.state import TrainState
+    from gputrain.engine.setup import Loop
+
+
+CONFIG_HEADER = ("# The resolved config of the run in this folder (every `auto` as it was decided). Train it again\n"
+                 "# with `gputrain train RUN/config.yaml`: a new run folder, or --out DIR.\n")
+
+
+def open_run_folder(cfg: RunConfig, dist: DistInfo, *, for_training: bool) -> tuple[Path, tuple[Path, bool] | None]:
+    """Rank 0 resolves and checks the run folder, every rank gets its path; also (folder, existed before) of a
+    fresh training run, which :func:`discard_untrained_run` removes if it fails before its first step."""
+    t = cfg.trainer
+    chosen, fresh = "", None
+    if dist.is_main:
+        out = Path(t.out) if t.out else run_folder.default_run_dir(Path(str(cfg.task)).name.split(":")[-1])
+        if for_training:
+            run_folder.check_run_folder(out, resume=t.resume, overwrite=t.overwrite)
+            fresh = None if t.resume else (out, out.exists())
+            if t.overwrite:
+                run_folder.clear_run_folder(out)
+            run_folder.mark_run_folder(out)  # ours: a later --overwrite may clear what gputrain wrote here
+            if not t.out:
+                run_folder.point_latest(out)
+        chosen = str(out)
+    return Path(comm.broadcast_object(chosen)), fresh
+
+
+def announce(loop: Loop, model: nn.Module, out: Path) -> None:
+    """Rank 0 writes ``config.yaml`` and prints the start-up line: how this run was resolved."""
+    if not loop.dist.is_main:
+        return
+    t = loop.cfg.trainer
+    # Where and how this run was started stays out: the file is a recipe for the next run (`gputrain train
+    # RUN/config.yaml`), which would otherwise be sent back into this folder and refused there.
+    where = dataclasses.replace(t, out="", resume="", overwrite=False)
+    (out / "config.yaml").write_text(CONFIG_HEADER + to_yaml(dataclasses.replace(loop.cfg, trainer=where)))
+    sizes = [(p.numel(), p.requires_grad) for p in model.parameters()]
+    frozen = sum(n for n, trains in sizes if not trains) / max(sum(n for n, _ in sizes), 1)
+    checkpoints = loop.checkpointer.mode if loop.checkpointer is not None else ""
+    print(f"gputrain: {loop.strategy.describe()} device={loop.dist.device} precision={loop.precision.name} "
+          f"{loop.fast.describe()} {training_options(loop.cfg, checkpoints=checkpoints, frozen_share=frozen)} "
+          f"batch_size={t.batch_size}/process global_batch={loop.global_batch}{loop.lr_note} out={out}", flush=True)
+
+
+def describe_python_run(cfg: RunConfig, model: nn.Module) -> RunConfig:
+    """A run from the Python API saves a config that says so, not the defaults of a recipe it never used."""
+    cls = type(model)
+    return dataclasses.replace(cfg, task="custom",
+                               model=dataclasses.replace(cfg.model, name=f"{cls.__module__}:{cls.__qualname__}"),
+                               data=dataclasses.replace(cfg.data, root=""))
+
+
+def training_options(cfg: RunConfig, *, checkpoints: str, frozen_share: float = 0.0) -> str:
+    """The start-up line's words for what else changes what or how the run trains: only what is on.
+
+    ``checkpoints``: how checkpoints are written (``background`` or ``synchronous``; empty when off);
+    ``frozen_share``: the share of the model's parameters that do not train.
+    """
+    from gputrain.data.synthetic import SYNTHETIC_SAMPLES
+
+    d, m, t = cfg.data, cfg.model, cfg.trainer
+    words = [f"workers={d.num_workers}"]
+    if d.synthetic:
+        words.append(f"data=synthetic(the first {SYNTHETIC_SAMPLES} samples repeated)")
+    if frozen_share:
+        words.append(f"frozen={','.join(m.freeze) or 'parameters'}({frozen_share:.0%} of the parameters)")
+    flags = (("decode_on_device", d.decode_on_device), ("frozen_batchnorm", m.frozen_batchnorm),
+             ("sync_batchnorm", t.sync_batchnorm), ("drop_last", t.drop_last))
+    words += [name for name, on in flags if on]
+    values = (("weights", m.weights),
+              ("accumulate", t.accumulate_grad_batches if t.accumulate_grad_batches > 1 else 0),
+              ("grad_clip_norm", t.grad_clip_norm), ("max_steps_per_epoch", t.max_steps_per_epoch),
+              ("checkpoints", checkpoints))
+    words += [f"{name}={value}" for name, value in values if value]
+    return " ".join(words)
+
+
+def discard_untrained_run(out: Path, existed: bool) -> None:
+    """Remove what a fresh run wrote into ``out`` (which was empty, or cleared by --overwrite, when it began)."""
+    for path in (list(out.iterdir()) if existed and out.is_dir() else []):
+        shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
+    if not existed:
+        shutil.rmtree(out, ignore_errors=True)
+        latest = out.parent / "latest"
+        if latest.is_symlink() and not latest.exists():
+            latest.unlink()  # it pointed to the folder just removed
+
+
+def already_finished(out: Path, state: TrainState, epochs: int, is_main: bool) -> dict[str, Any]:
+    """Resuming a finished run changes nothing: say so and return its summary."""
+    path = out / "summary.json"
+    if is_main:
+        print(f"gputrain: {out} is finished (epoch {state.epoch} of {epochs}); nothing was changed. To train longer, "
+              "resume with a larger --epochs", flush=True)
+    return json.loads(path.read_text()) if path.is_file() else {"epochs": state.epoch}
+
+
+def write_summary(loop: Loop, out: Path, state: TrainState, metrics: dict[str, float], *, wall_s: float,
+                  train_s: float, samples: float) -> dict[str, Any]:
+    """The run's ``summary.json`` (rank 0 writes it); every rank returns it."""
+    assert loop.train_loader is not None
+    train_iters = len(loop.train_loader)
+    val_iters = len(loop.val_loader) if loop.val_loader is not None else 0
+    summary = {
+        "final": metrics,
+        "world_size": loop.dist.world_size,
+        "strategy": loop.strategy.name,
+        "precision": loop.precision.name,
+        "device": str(loop.dist.device),
+        "batch_size_per_device": loop.cfg.trainer.batch_size,
+        "global_batch": loop.global_batch,
+        "iters_per_epoch": {"train": train_iters, "val": val_iters, "total": train_iters + val_iters},
+        "epochs": state.epoch,
+        "global_step": state.global_step,
+        "samples_seen": state.samples_seen,
+        "wall_s": wall_s,
+        "train_s": train_s,
+        "images_per_s": samples / train_s if train_s > 0 else 0.0,
+        "peak_memory_bytes": peak_memory_bytes(loop.dist.device),
+        "fast": loop.fast.describe().removeprefix("fast="),
+        # The run's first optimizer step: with trainer.compile it holds the compile time (bench throughput
+        # reports compile_s = first step - a steady step).
+        "first_step_s": loop.first_step_s,
+    }
+    if loop.dist.is_main:
+        (out / "summary.json").write_text(strict_json(summary, indent=2))
+    return summary
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """This process's peak memory: CUDA's allocator peak on a GPU, the peak resident set size on a CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    import resource
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB

@@ -1,0 +1,295 @@
+"""The Trainer: join the job, build the run once (:mod:`gputrain.engine.setup`), then a small loop of epochs.
+
+The loop never branches on strategy or precision: everything that differs between ways of running sits behind
+the strategy and precision plugins; which samples each step trains on is decided by the framework's
+:class:`~gputrain.data.samplers.EpochPlan`; checkpoints go through one
+:class:`~gputrain.checkpoint.checkpointer.Checkpointer`; hooks see a read-only
+:class:`~gputrain.engine.hooks.RunContext`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+from gputrain.checkpoint.checkpointer import Checkpointer
+from gputrain.checkpoint.state import TrainState
+from gputrain.config.checks import validate
+from gputrain.config.load import to_dict
+from gputrain.config.resolve import FastPath
+from gputrain.config.schema import RunConfig, TrainerConfig
+from gputrain.dist import DistInfo, init_distributed, restart_attempt
+from gputrain.dist.stop import StopRequest
+from gputrain.engine import record, setup
+from gputrain.engine.context import build_context
+from gputrain.engine.epoch import run_epoch
+from gputrain.engine.evaluate import evaluate_batches, evaluate_only
+from gputrain.engine.hooks import Hook, RunContext
+from gputrain.engine.state import LossWindow, seed_everything
+from gputrain.errors import Interrupted
+from gputrain.precision import Precision
+from gputrain.strategies.base import Strategy
+from gputrain.tasks.base import Task
+
+
+class Trainer:
+    """Train any ``nn.Module`` on any ``Dataset`` with any loss, on 1 process or many.
+
+    >>> Trainer(strategy="ddp", devices=2, precision="bf16-mixed", epochs=3).fit(
+    ...     model, train_data, val_data, loss=torch.nn.functional.mse_loss)  # doctest: +SKIP
+
+    Keyword arguments are fields of :class:`~gputrain.config.TrainerConfig`; pass ``cfg`` for a whole
+    :class:`~gputrain.config.RunConfig` (optimizer, schedule). With ``devices > 1`` the process must
+    have been started by a launcher (``gputrain train``, ``torchrun``, :func:`gputrain.launch`).
+    """
+
+    def __init__(self, cfg: RunConfig | None = None, *, hooks: list[Hook] | None = None,
+                 resume_command: Callable[[Path], str] | None = None, **trainer: Any) -> None:
+        cfg = cfg or RunConfig()
+        known = {f.name for f in dataclasses.fields(TrainerConfig)}
+        unknown = set(trainer) - known
+        if unknown:
+            raise TypeError(f"unknown Trainer option(s) {sorted(unknown)}; valid: {sorted(known)}")
+        self.cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, **trainer))
+        """The run's config; from :meth:`fit` on, with every ``auto`` resolved (what ``config.yaml`` records)."""
+        validate(self.cfg)  # the ranges and combinations the CLI checks hold for Python-API configs too
+        self.extra_hooks = hooks or []
+        self.resume_command = resume_command
+        self.state = TrainState()
+        self.loop: setup.Loop | None = None
+        """What the run trains with, once :meth:`fit` (or :meth:`validate`) built it."""
+        self.resumed = False
+        self.hooks: list[Hook] = []
+        self.window: LossWindow | None = None
+        """The running epoch's loss sums (None between epochs): what a checkpoint carries of a partly trained epoch."""
+        self.carried_loss: dict[str, float] | None = None
+        """The loss sums of a partly trained epoch, from the checkpoint this run resumed from."""
+        self._fresh_out: tuple[Path, bool] | None = None
+
+    # -- what the run trains with (read-only, once built) ---------------------------------------------
+    @property
+    def module(self) -> nn.Module:
+        """The model as the strategy wrapped it (after :meth:`fit`)."""
+        return self._built().module
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None:
+        return self._built().optimizer
+
+    @property
+    def strategy(self) -> Strategy:
+        return self._built().strategy
+
+    @property
+    def precision(self) -> Precision:
+        return self._built().precision
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self._built().steps_per_epoch
+
+    @property
+    def global_batch(self) -> int:
+        """Samples per optimizer step over all ranks: batch size x data-parallel ranks x accumulation."""
+        return self._built().global_batch
+
+    @property
+    def fast(self) -> FastPath:
+        """The speed options as they were resolved for this run."""
+        return self._built().fast
+
+    @property
+    def checkpointer(self) -> Checkpointer | None:
+        """The run's checkpoints (None when ``trainer.enable_checkpointing=false``)."""
+        return self._built().checkpointer
+
+    def _built(self) -> setup.Loop:
+        if self.loop is None:
+            raise RuntimeError("the run is built by fit() (or validate()); call it first")
+        return self.loop
+
+    # -- the job and the run folder --------------------------------------------------------------
+    def prepare(self, *, for_training: bool = True) -> Path:
+        """Join the process group and resolve the run folder (a new dated one by default); returns it.
+
+        ``fit`` does this itself; a caller that must know the folder before it builds its data (a task that writes
+        its train/val split into the run) calls it first.
+        """
+        if getattr(self, "out", None) is not None:
+            return self.out
+        t = self.cfg.trainer
+        if for_training and restart_attempt() > 0 and not t.resume:
+            # torchrun restarted the workers after a failure: they run the same command, and must continue from
+            # the newest valid checkpoint rather than start over.
+            self.cfg = dataclasses.replace(self.cfg, trainer=dataclasses.replace(t, resume="auto"))
+        self.dist: DistInfo = init_distributed(t.accelerator, timeout_s=t.timeout_s)
+        self.out: Path
+        self.out, self._fresh_out = record.open_run_folder(self.cfg, self.dist, for_training=for_training)
+        return self.out
+
+    # -- training ------------------------------------------------------------------------------
+    def fit(self, model: nn.Module, train_data: Dataset, val_data: Dataset | None = None, *,
+            loss: Any = None, task: Task | None = None) -> dict[str, Any]:
+        """Train; returns the summary (also written to ``out/summary.json``)."""
+        if task is None:
+            self.cfg = record.describe_python_run(self.cfg, model)
+        try:
+            loop = self._build(model, task or Task(loss), train_data, val_data)
+            if self.resumed and self.state.epoch >= loop.cfg.trainer.epochs:
+                return record.already_finished(self.out, self.state, loop.cfg.trainer.epochs, self.dist.is_main)
+            record.announce(loop, model, self.out)
+            with StopRequest(self.dist.world_size) as self.stop:
+                try:
+                    self._call("before_fit")
+                    summary = self._fit_epochs(loop)
+                except BaseException as err:
+                    self._call("on_exception", err)
+                    raise
+                if self.stop.received and self.dist.is_main:  # after the last step: nothing was left to stop
+                    print(f"gputrain: {signal.Signals(self.stop.received).name} came after the last epoch had trained: "
+                          f"the run finished and is complete in {self.out}; nothing was lost", flush=True)
+                return summary
+        except BaseException:
+            self.discard_untrained_run()
+            raise
+        finally:
+            if self.loop is not None and self.loop.checkpointer is not None:
+                self.loop.checkpointer.close()
+
+    def _build(self, model: nn.Module, task: Task, train_data: Dataset, val_data: Dataset | None) -> setup.Loop:
+        out = self.prepare(for_training=True)
+        seed_everything(self.cfg.trainer.seed)
+        setup.check_same_length(train_data)
+        resume = setup.find_resume(self.cfg, self.dist, out)
+        asked = self.cfg.trainer.batch_size
+        loop = setup.build_runtime(self.cfg, self.dist, task, model, resume)
+        self.cfg, self.loop = loop.cfg, loop
+        if resume is not None and loop.cfg.trainer.batch_size != asked and self.dist.is_main:
+            print(f"gputrain: {resume['_path']} was trained on {resume.get('world_size')} process(es); batch_size "
+                  f"{asked} -> {loop.cfg.trainer.batch_size} per device keeps its global batch "
+                  f"{resume['global_batch']}", flush=True)
+        setup.build_training(loop, train_data, val_data, out)
+        if resume is not None:
+            self.state, self.carried_loss = setup.restore_training(loop, resume)
+            self.resumed = True
+        self.config_dict = to_dict(loop.cfg)
+        from gputrain.engine.defaults import default_hooks
+
+        self.hooks = default_hooks(loop.cfg) + self.extra_hooks
+        self.ctx: RunContext = self._context(loop)
+        return loop
+
+    def _fit_epochs(self, loop: setup.Loop) -> dict[str, Any]:
+        t = loop.cfg.trainer
+        start = time.perf_counter()
+        train_time, train_samples = 0.0, 0.0
+        metrics: dict[str, float] = {}
+        while self.state.epoch < t.epochs:
+            self._call("before_epoch")
+            # A resumed epoch continues the loss sums its checkpoint carried, so it logs what an uninterrupted run logs.
+            self.window = LossWindow(loop.strategy.root_device, self.carried_loss if self.state.step_in_epoch else None)
+            self.carried_loss = None
+            metrics = run_epoch(loop, self.state, self.window, self._call, after_step=self._after_step,
+                                data_waits=self.ctx.data_waits)
+            self.window = None
+            train_time += metrics["time/train_s"]
+            train_samples += metrics["train/images_per_s"] * metrics["time/train_s"]  # trained by this run
+            self.state.epoch += 1
+            self.state.step_in_epoch = 0
+            if loop.val_loader is not None and self.state.epoch % max(t.eval_every_n_epochs, 1) == 0:
+                eval_start = time.perf_counter()
+                metrics |= {f"val/{k}": v for k, v in self.evaluate().items()}
+                metrics["time/val_s"] = time.perf_counter() - eval_start
+                val_count = len(loop.val_loader.dataset)  # type: ignore[arg-type]  # every sample once (exact eval)
+                metrics["time/val_images_per_s"] = val_count / max(metrics["time/val_s"], 1e-9)
+            metrics["time/epoch_s"] = metrics["time/train_s"] + metrics.get("time/val_s", 0.0)
+            self._call("after_epoch", metrics)
+        summary = record.write_summary(loop, self.out, self.state, metrics, wall_s=time.perf_counter() - start,
+                                       train_s=train_time, samples=train_samples)
+        self._call("after_fit", summary)
+        return summary
+
+    def _after_step(self) -> None:
+        """After each step and its hooks: stop on an agreed signal, checkpoint every n steps."""
+        assert self.loop is not None
+        t, loop = self.cfg.trainer, self.loop
+        signum = self.stop.agreed(now=self.state.step_in_epoch >= loop.steps_per_epoch)
+        if signum:
+            saved = self.save(f"step_{self.state.global_step:06d}", wait=True) if loop.checkpointer else None
+            where = f"checkpoint {saved}" if saved else "no checkpoint (trainer.enable_checkpointing=false)"
+            message = (f"interrupted at epoch {self.state.epoch + 1} step {self.state.global_step} ({where}); "
+                       f"continue with: {self._resume_command()}")
+            if self.dist.is_main:
+                print(message, flush=True)
+            raise Interrupted(signum, message)
+        if t.checkpoint_every_n_steps and self.state.global_step % t.checkpoint_every_n_steps == 0 \
+                and self.state.step_in_epoch < loop.steps_per_epoch:
+            self.save(f"step_{self.state.global_step:06d}")
+
+    def save(self, name: str, metrics: dict[str, float] | None = None, *, wait: bool = False) -> Path | None:
+        """Write checkpoint ``name`` (a collective: every rank calls it); None when checkpointing is off."""
+        loop = self.loop
+        if loop is None or loop.checkpointer is None:
+            return None
+        window = self.window
+        extra = {"state": dataclasses.asdict(self.state), "global_batch": loop.global_batch,
+                 "config": self.config_dict,
+                 # The epoch's loss sums so far (a collective): a resumed epoch logs the uninterrupted run's loss.
+                 "loss_window": window.carry() if window is not None else {}}
+        return loop.checkpointer.save(loop.parts, extra, self.state, name, metrics, wait=wait)
+
+    def _resume_command(self) -> str:
+        if self.resume_command is not None:
+            return self.resume_command(self.out)
+        return f"Trainer(..., resume='auto', out='{self.out}').fit(...)"
+
+    def discard_untrained_run(self) -> None:
+        """After a fresh run failed before its first optimizer step, remove what it wrote (rank 0)."""
+        if self._fresh_out is not None and self.state.global_step == 0 and self.dist.is_main:
+            record.discard_untrained_run(*self._fresh_out)
+
+    # -- evaluation ----------------------------------------------------------------------------
+    def evaluate(self) -> dict[str, float]:
+        """Exact evaluation over the validation set: every sample once, metrics from reduced statistics."""
+        loop = self.loop
+        assert loop is not None and loop.val_loader is not None, "no validation data was given"
+        loop.strategy.prepare_eval(loop.module)
+        metrics = evaluate_batches(loop, self.out, self.state.epoch,
+                                   lambda done, total: self._call("after_eval_batch", done, total))
+        loop.module.train()
+        return metrics
+
+    def validate(self, model: nn.Module, val_data: Dataset, *, task: Task) -> dict[str, float]:
+        """Evaluate ``model`` alone (no training) on any device count; writes ``out/eval.json`` on rank 0."""
+        from gputrain.engine.callbacks.progress import ProgressHook
+
+        out = self.prepare(for_training=False)
+        loop = setup.build_runtime(self.cfg, self.dist, task, model)
+        self.cfg, self.loop = loop.cfg, loop
+        loop.module = loop.strategy.setup_module(loop.module)
+        loop.val_loader = setup.eval_loader(loop, val_data)
+        self.hooks = [ProgressHook(bar=False), *self.extra_hooks]
+        self.config_dict = to_dict(loop.cfg)
+        self.ctx = self._context(loop)
+        return evaluate_only(loop, out, lambda done, total: self._call("after_eval_batch", done, total))
+
+    def model_state_dict(self) -> dict[str, Any]:
+        """The trained model's full weights with plain keys (rank 0; ``{}`` elsewhere where sharded); a collective."""
+        assert self.loop is not None, "fit first"
+        return self.loop.strategy.model_state_dict(self.loop.module)
+
+    def _context(self, loop: setup.Loop) -> RunContext:
+        return build_context(loop, config_dict=self.config_dict, out=self.out, resumed=self.resumed,
+                             progress=lambda: self.state, save=lambda name, metrics: self.save(name, metrics))
+
+    def _call(self, event: str, *args: Any) -> None:
+        for hook in self.hooks:
+            getattr(hook, event)(self.ctx, *args)
