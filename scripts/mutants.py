@@ -595,6 +595,18 @@ FAULTS: tuple[Fault, ...] = (
           (("        atexit.register(teardown)\n", ""),),
           ("tests/e2e/test_user_code.py::"
            "test_a_finished_python_api_job_ends_its_process_group_before_interpreter_exit",)),
+    Fault("torch modules that default to group.WORLD are imported after the group exists", "src/gputrain/dist/env.py",
+          (("        _import_modules_that_capture_the_world_group()\n", ""),),
+          ("tests/e2e/test_user_code.py::"
+           "test_a_finished_python_api_job_ends_its_process_group_before_interpreter_exit",)),
+    Fault("an FSDP mesh keeps its destroyed group alive", "src/gputrain/dist/env.py",
+          (("    _release_groups_held_by_device_meshes()\n    #", "    #"),),
+          ("tests/e2e/test_user_code.py::"
+           "test_a_finished_python_api_job_ends_its_process_group_before_interpreter_exit[fsdp]",)),
+    Fault("a model in a reference cycle keeps its destroyed group to interpreter exit", "src/gputrain/dist/env.py",
+          (("    gc.collect()\n", ""),),
+          ("tests/e2e/test_user_code.py::"
+           "test_a_finished_python_api_job_ends_its_process_group_before_interpreter_exit",)),
     # -- issue 28 item 11: planted-fault review of predict, pretrained, config checks, download, report, resume accounting, sampling
     Fault("[28.11] predict passes an image's size as (W, H)", "src/gputrain/tools/predict/run.py",
           (("self.preprocess(image), (int(image.shape[1]), int(image.shape[2]))",

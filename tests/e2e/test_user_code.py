@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -98,41 +99,52 @@ def test_trainer_refuses_devices_without_a_launcher():
 
 
 FINISHED_JOB = '''
-import atexit, os, sys
+import atexit, json, os, sys
 import torch.distributed as dist
 
-OUT = sys.argv[1]
+OUT, STRATEGY = sys.argv[1], sys.argv[2]
 
 
 def record():  # registered before gputrain exists: atexit runs it last, after gputrain's own exit handlers
+    threads = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
     with open(os.path.join(OUT, "rank" + os.environ["RANK"]), "w") as f:
-        f.write(str(dist.is_initialized()))
+        json.dump({"initialized": dist.is_initialized(), "gloo_threads": [t for t in threads if "gloo" in t]}, f)
 
 
 atexit.register(record)
 
 import torch
-from gputrain import Trainer
+from gputrain import RunConfig, Trainer
 
 torch.set_num_threads(1)
 g = torch.Generator().manual_seed(0)
 data = [(x, x) for x in torch.randn(16, 4, generator=g)]
-Trainer(strategy="ddp", devices=2, accelerator="cpu", epochs=1, batch_size=4, out=os.path.join(OUT, "run"),
-        progress_bar=False, loggers=[], enable_checkpointing=False, pictures=0).fit(
-    torch.nn.Linear(4, 4), data, loss=torch.nn.functional.mse_loss)
+cfg = RunConfig()
+cfg.parallel.sharded_checkpoint = STRATEGY == "fsdp"  # its background saves talk over a gloo group of their own
+Trainer(cfg, strategy=STRATEGY, devices=2, accelerator="cpu", epochs=1, batch_size=4, out=os.path.join(OUT, "run"),
+        progress_bar=False, loggers=[], checkpoint_every_n_steps=1, pictures=0).fit(
+    torch.nn.Sequential(torch.nn.Linear(4, 4)), data, loss=torch.nn.functional.mse_loss)
 gathered = [None, None]
 dist.all_gather_object(gathered, float(os.environ["RANK"]))  # the user's own collective after fit
 assert gathered == [0.0, 1.0]
 '''
 
 
-def test_a_finished_python_api_job_ends_its_process_group_before_interpreter_exit(tmp_path):
-    """issue 28 item 12: gloo's threads left to interpreter exit aborted rank 1 (SIGABRT) after a job trained."""
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_finished_python_api_job_ends_its_process_group_before_interpreter_exit(tmp_path, strategy):
+    """issue 28 item 12: gloo's threads left to interpreter exit aborted rank 1 (SIGABRT) after a job trained.
+
+    The abort is a race (about 1 run in 8 under load), so the test looks at its cause, which is certain: a group
+    still alive at exit. Destroying the group is not enough when something still holds it: torch functions that
+    took ``group.WORLD`` as a default when imported after the group existed, an FSDP mesh kept by DTensor's caches,
+    a model in a reference cycle, the gloo group of background sharded saves.
+    """
     script = tmp_path / "job.py"
     script.write_text(FINISHED_JOB)
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                           str(script), str(tmp_path)], capture_output=True, text=True, timeout=300,
+                           str(script), str(tmp_path), strategy], capture_output=True, text=True, timeout=300,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-2000:]
-    # gputrain made the group, so it was gone before the interpreter's teardown began, on every rank
-    assert [(tmp_path / f"rank{r}").read_text() for r in (0, 1)] == ["False", "False"]
+    # gputrain made the group, so it was gone, threads and all, before the interpreter's teardown began, on every rank
+    assert [json.loads((tmp_path / f"rank{r}").read_text()) for r in (0, 1)] == [
+        {"initialized": False, "gloo_threads": []}] * 2

@@ -42,6 +42,7 @@ class Checkpointer:
         self.dist = dist
         self.sharded = sharded
         self._shards: Future[Any] | None = None  # the DCP folder of the save in flight, on every rank
+        self._write_group: Any = None  # the gloo group of background sharded saves, made at the first one
         if dist.is_main:
             remove_stale_temporaries(folder)
 
@@ -66,14 +67,17 @@ class Checkpointer:
         self._wait_for_shards()
         folder_name, after = "", None
         if self.sharded:
-            from gputrain.checkpoint.sharded import save_sharded, save_sharded_async
+            from gputrain.checkpoint.sharded import new_write_group, save_sharded, save_sharded_async
 
             # A new folder per save (never one rewritten in place): a crash mid-write leaves the previous
             # checkpoint and its folder whole. Folders no checkpoint file names any more are pruned.
             folder_name = f"{name or f'step_{progress.global_step:06d}'}.dcp"
             folder = self.store.folder / folder_name
             if in_background:
-                self._shards = after = save_sharded_async(parts.strategy, parts.module, parts.optimizer, folder)
+                if self._write_group is None:
+                    self._write_group = new_write_group()
+                self._shards = after = save_sharded_async(parts.strategy, parts.module, parts.optimizer, folder,
+                                                          self._write_group)
             else:
                 save_sharded(parts.strategy, parts.module, parts.optimizer, folder)
                 comm.barrier()

@@ -73,16 +73,13 @@ def save_sharded(strategy: Strategy, module: nn.Module, optimizer: torch.optim.O
     return folder
 
 
-_ASYNC_GROUP: list[Any] = [None, None]  # (the job's default group, the gloo group of DCP's background writes)
-
-
 def save_sharded_async(strategy: Strategy, module: nn.Module, optimizer: torch.optim.Optimizer,
-                       folder: str | Path) -> Future[Any]:
+                       folder: str | Path, group: dist.ProcessGroup | None) -> Future[Any]:
     """:func:`save_sharded` in the background: a collective that returns once the state is staged in host memory.
 
     The future completes once every rank's shards and (on rank 0) the ``.metadata`` are written; it raises what
-    went wrong otherwise. The writes talk over a gloo group of their own, so they never queue behind (or in front
-    of) the training's collectives. Wait for it before the next save.
+    went wrong otherwise. The writes talk over ``group``, a gloo group of their own (:func:`new_write_group`), so
+    they never queue behind (or in front of) the training's collectives. Wait for it before the next save.
     """
     state = _sharded_state(strategy, module, optimizer)
     if not dist.is_initialized():
@@ -91,11 +88,20 @@ def save_sharded_async(strategy: Strategy, module: nn.Module, optimizer: torch.o
             dcp.save(state, checkpoint_id=str(folder), no_dist=True)
         done.set_result(None)
         return done
-    world = dist.group.WORLD
-    if _ASYNC_GROUP[0] is not world:  # one per process group: a later job in this process makes its own
-        _ASYNC_GROUP[:] = [world, dist.new_group(backend="gloo")]
-    result = dcp.async_save(state, checkpoint_id=str(folder), process_group=_ASYNC_GROUP[1])
+    result = dcp.async_save(state, checkpoint_id=str(folder), process_group=group)
     return result if isinstance(result, Future) else result.upload_completion
+
+
+def new_write_group() -> dist.ProcessGroup | None:
+    """The gloo group background sharded saves write over (a collective; None without a process group).
+
+    It lives as long as the run's :class:`~gputrain.checkpoint.checkpointer.Checkpointer`, not the process: a group
+    still referenced at interpreter exit keeps gloo's threads into its teardown (see :func:`gputrain.dist.teardown`).
+    """
+    if not dist.is_initialized():
+        return None
+    group = dist.new_group(backend="gloo")
+    return group if isinstance(group, dist.ProcessGroup) else None  # every rank is a member: never NON_GROUP_MEMBER
 
 
 def prune_sharded_folders(folder: Path, keep: str = "") -> None:
