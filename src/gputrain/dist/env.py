@@ -176,6 +176,9 @@ def _release_groups_held_by_device_meshes() -> None:
     mesh_module = sys.modules.get("torch.distributed.device_mesh")
     if mesh_module is None or not hasattr(mesh_module, "DeviceMesh") or dist.is_initialized():
         return
+    mesh_class = mesh_module.DeviceMesh
     for obj in gc.get_objects():
-        if isinstance(obj, mesh_module.DeviceMesh):
+        # type(), not isinstance: any object can turn up here, and isinstance asks the object itself (a dead weak
+        # proxy raises, a deprecated torch object warns); type() asks nothing of it.
+        if issubclass(type(obj), mesh_class):
             getattr(obj, "_pg_registry", {}).clear()
