@@ -212,7 +212,7 @@ FAULTS: tuple[Fault, ...] = (
           (("        probe = self._calls == PROBE_STEPS and self.every == 1", "        probe = False"),),
           ("tests/distributed/test_stop_agreement.py::test_fast_steps_agree_every_few_steps_at_the_same_calls_on_every_rank",)),
     # -- issue 16 item 2 (h16b): data.num_workers=auto ------------------------------------------
-    Fault("auto workers ignore the other processes of the node", "src/gputrain/data/workers.py",
+    Fault("auto workers ignore the other processes of the node", "src/gputrain/config/resolve.py",
           (("cores // max(local_processes, 1)", "cores"),),
           ("tests/unit/test_data_workers.py::test_auto_divides_the_cores_among_the_local_processes",)),
     # -- issue 15 items 3, 4, 7, 9, 10 (task h15c) ---------------------------------------------
