@@ -794,6 +794,13 @@ FAULTS: tuple[Fault, ...] = (
     Fault("[29] the launcher's failure report imports torch before the ranks start", "src/gputrain/launcher/failures.py",
           (("from gputrain.errors import EXIT_DIVERGED", "import torch  # noqa: F401\nfrom gputrain.errors import EXIT_DIVERGED"),),
           ("tests/e2e/test_faults.py::test_the_direct_launch_starts_ranks_before_torch_in_own_sessions_and_leaves_none_when_killed",)),
+    # -- issue 31: decoding on TorchCodec
+    Fault("[31] the header-only size check ignores an EXIF quarter turn", "src/gputrain/data/images.py",
+          (("turned = im.getexif().get(_EXIF_ORIENTATION) in _QUARTER_TURNS", "turned = False"),),
+          ("tests/unit/test_decode_torchcodec.py::test_exif_orientation_is_applied_where_torchvision_ignored_it",)),
+    Fault("[31] 16-bit PNGs are cut to 8 bits", "src/gputrain/data/images.py",
+          (('decode_image(data, mode="RGB", output_dtype="auto")', 'decode_image(data, mode="RGB")'),),
+          ("tests/unit/test_decode_torchcodec.py::test_hand_made_files_decode_to_the_pixels_torchvision_gave",)),
 )
 
 
