@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from torchvision.io import write_jpeg
+from torchcodec.encoders import JpegEncoder
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from gputrain.data.images import draw_class_image  # noqa: E402
@@ -29,7 +29,7 @@ def one_class(index: int) -> None:
     rng = np.random.default_rng(index)
     for i in range(int(os.environ.get("PER_CLASS", "1000"))):
         drawn = torch.from_numpy(draw_class_image(rng, index, WIDTH)).permute(2, 0, 1)
-        write_jpeg(drawn[:, :HEIGHT].contiguous(), str(folder / f"{i:05d}.jpg"), quality=90)
+        JpegEncoder(drawn[:, :HEIGHT].contiguous()).to_file(folder / f"{i:05d}.jpg", quality=90)
 
 
 if __name__ == "__main__":

@@ -143,7 +143,7 @@ FAULTS: tuple[Fault, ...] = (
           (("mean=mean, std=std), eval_preprocess(cfg)", "mean=mean, std=std), normalize_transform(CIFAR_MEAN, CIFAR_STD)"),),
           ("tests/e2e/test_predict.py::test_classification_csv_scores_as_eval",)),
     Fault("predicted masks not in ADE20K's k + 1 encoding", "src/gputrain/tasks/segmentation.py",
-          (("write_png((labels.to(torch.int16) + 1)", "write_png((labels.to(torch.int16) + 0)"),),
+          (("PngEncoder((labels.to(torch.int16) + 1)", "PngEncoder((labels.to(torch.int16) + 0)"),),
           ("tests/e2e/test_predict.py::test_segmentation_masks_score_as_eval",)),
     Fault("predict keeps rank 0's share only", "src/gputrain/tools/predict/run.py",
           (("merged = {k: v for part in gathered for k, v in part.items()}", "merged = dict(gathered[0])"),),
@@ -623,8 +623,8 @@ FAULTS: tuple[Fault, ...] = (
           (("    if len({tuple(im.shape) for im in images}) == 1:", "    if images:"),),
           (f"{PREDICT}::test_masks_of_images_of_other_shapes_are_whole_image_predictions_in_rows_and_columns",)),
     Fault("[28.11] predicted masks written transposed", "src/gputrain/tasks/segmentation.py",
-          (("write_png((labels.to(torch.int16) + 1).to(torch.uint8)[None]",
-            "write_png((labels.to(torch.int16) + 1).to(torch.uint8).t().contiguous()[None]"),),
+          (("PngEncoder((labels.to(torch.int16) + 1).to(torch.uint8)[None]",
+            "PngEncoder((labels.to(torch.int16) + 1).to(torch.uint8).t().contiguous()[None]"),),
           (f"{PREDICT}::test_masks_of_images_of_other_shapes_are_whole_image_predictions_in_rows_and_columns",)),
     Fault("[28.11] predict centre-crops segmentation inputs to data.image_size", "src/gputrain/tasks/segmentation.py",
           (("segmentation_transform(None if whole_image else (cfg.data.image_size or None), train=False)",
@@ -794,6 +794,13 @@ FAULTS: tuple[Fault, ...] = (
     Fault("[29] the launcher's failure report imports torch before the ranks start", "src/gputrain/launcher/failures.py",
           (("from gputrain.errors import EXIT_DIVERGED", "import torch  # noqa: F401\nfrom gputrain.errors import EXIT_DIVERGED"),),
           ("tests/e2e/test_faults.py::test_the_direct_launch_starts_ranks_before_torch_in_own_sessions_and_leaves_none_when_killed",)),
+    # -- issue 31: decoding on TorchCodec
+    Fault("[31] the header-only size check ignores an EXIF quarter turn", "src/gputrain/data/images.py",
+          (("turned = im.getexif().get(_EXIF_ORIENTATION) in _QUARTER_TURNS", "turned = False"),),
+          ("tests/unit/test_decode_torchcodec.py::test_exif_orientation_is_applied_where_torchvision_ignored_it",)),
+    Fault("[31] 16-bit PNGs are cut to 8 bits", "src/gputrain/data/images.py",
+          (('decode_image(data, mode="RGB", output_dtype="auto")', 'decode_image(data, mode="RGB")'),),
+          ("tests/unit/test_decode_torchcodec.py::test_hand_made_files_decode_to_the_pixels_torchvision_gave",)),
 )
 
 

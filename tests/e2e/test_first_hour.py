@@ -336,13 +336,13 @@ def test_6_yaml_syntax_error_and_out_that_is_a_file(capsys, cwd):
 
 
 def test_6_images_of_different_sizes_name_the_first_odd_file(workdir, tmp_path, capsys, monkeypatch):
-    from torchvision.io import write_png
+    from torchcodec.encoders import PngEncoder
 
     monkeypatch.chdir(workdir)
     data = tmp_path / "frames"
     subprocess.run(["cp", "-r", str(workdir / "data" / "frames"), str(data)], check=True)
     odd = data / "video_01" / "odd.png"
-    write_png(torch.zeros(3, 24, 24, dtype=torch.uint8), str(odd))
+    PngEncoder(torch.zeros(3, 24, 24, dtype=torch.uint8)).to_file(odd)
     code, _, err = cli(capsys, "train", "autoencoder", *TINY, "--data-root", str(data), "--out", str(tmp_path / "r"))
     line = one_error_line(err)
     assert code == 2 and str(odd) in line and "24x24" in line and "32x32" in line and "data.image_size" in line

@@ -269,13 +269,13 @@ def test_detection_json_scores_as_eval_with_the_annotation_ids(tmp_path: Path) -
 
 @pytest.mark.filterwarnings("ignore:__array__ implementation doesn't accept a copy keyword:DeprecationWarning")
 def test_detections_take_the_annotation_files_ids(tmp_path: Path) -> None:
-    from torchvision.io import write_jpeg
+    from torchcodec.encoders import JpegEncoder
 
     from gputrain.tasks.detection import DetectionTask
     from gputrain.tools.predict.run import list_inputs
 
     for name in ("img_3.jpg", "img_5.jpg", "new.jpg"):
-        write_jpeg(torch.full((3, 16, 16), 90, dtype=torch.uint8), str(tmp_path / name))
+        JpegEncoder(torch.full((3, 16, 16), 90, dtype=torch.uint8)).to_file(tmp_path / name)
     task = DetectionTask(tmp_path / "instances.json", {1: 7, 2: 9}, class_names=["background", "cat", "dog"],
                          image_ids={"images/img_3.jpg": 3, "img_5.jpg": 5})
     masks = torch.zeros(2, 1, 16, 16, dtype=torch.bool)
@@ -322,13 +322,13 @@ def test_predict_runs_the_model_in_the_layout_the_config_resolves(classes: Path,
 def test_an_image_whose_name_the_annotation_file_holds_twice_gets_a_new_id(tmp_path: Path) -> None:
     """Two images of the file share the name img.jpg (in two folders): which one was given is unknown, so it is
     numbered past the file's ids rather than scored against either's annotations."""
-    from torchvision.io import write_jpeg
+    from torchcodec.encoders import JpegEncoder
 
     from gputrain.tasks.detection import DetectionTask
     from gputrain.tools.predict.run import list_inputs
 
     for name in ("img.jpg", "only.jpg"):
-        write_jpeg(torch.full((3, 16, 16), 90, dtype=torch.uint8), str(tmp_path / name))
+        JpegEncoder(torch.full((3, 16, 16), 90, dtype=torch.uint8)).to_file(tmp_path / name)
     task = DetectionTask(tmp_path / "instances.json", {1: 7}, class_names=["background", "cat"],
                          image_ids={"train/img.jpg": 4, "val/img.jpg": 7, "val/only.jpg": 2})
     result = {"boxes": torch.tensor([[2.0, 2.0, 8.0, 8.0]]), "labels": torch.tensor([1]), "scores": torch.tensor([0.9])}

@@ -7,12 +7,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from torchvision.io import write_jpeg, write_png
+from torchcodec.encoders import JpegEncoder, PngEncoder
 
 from gputrain.data.ade20k import ADE20K, IGNORE_INDEX, make_ade20k, segmentation_transform
 from gputrain.data.images import IMAGENET_MEAN, IMAGENET_STD, DataError, read_mask
-
-pytestmark = pytest.mark.filterwarnings("ignore:The image decoding:DeprecationWarning")
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +42,7 @@ def test_label_above_num_classes_names_file_and_value(copy: Path) -> None:
     mask_path = copy / "annotations" / "training" / "ADE_train_00000002.png"
     raw = read_mask(mask_path)
     raw[0, 0] = 9
-    write_png(raw.to(torch.uint8)[None], str(mask_path))
+    PngEncoder(raw.to(torch.uint8)[None]).to_file(mask_path)
     ds = ADE20K(copy, num_classes=5)
     with pytest.raises(DataError, match=r"ADE_train_00000002\.png has label value 9 .*data\.num_classes"):
         ds[1]
@@ -55,7 +53,7 @@ def test_label_above_num_classes_names_file_and_value(copy: Path) -> None:
 
 def test_mask_size_mismatch_names_both_files(copy: Path) -> None:
     mask_path = copy / "annotations" / "training" / "ADE_train_00000003.png"
-    write_png(torch.zeros(1, 20, 30, dtype=torch.uint8), str(mask_path))
+    PngEncoder(torch.zeros(1, 20, 30, dtype=torch.uint8)).to_file(mask_path)
     ds = ADE20K(copy, num_classes=5)
     with pytest.raises(DataError) as err:
         ds[2]
@@ -88,8 +86,8 @@ def test_train_transform_moves_image_and_mask_together(tmp_path: Path) -> None:
     blocks = torch.arange(4).repeat_interleave(16)
     stored = (blocks[None, :] + 3 * blocks[:, None]) % 6  # 0..5, asymmetric left-right
     image = (stored * 40).to(torch.uint8).expand(3, -1, -1).contiguous()
-    write_jpeg(image, str(root / "images" / "training" / "a.jpg"), quality=100)
-    write_png(stored.to(torch.uint8)[None], str(root / "annotations" / "training" / "a.png"))
+    JpegEncoder(image).to_file(root / "images" / "training" / "a.jpg", quality=100)
+    PngEncoder(stored.to(torch.uint8)[None]).to_file(root / "annotations" / "training" / "a.png")
     torch.manual_seed(0)
     ds = ADE20K(root, num_classes=5, transform=segmentation_transform(40, train=True, scale=(0.8, 1.5)))
     for _ in range(6):

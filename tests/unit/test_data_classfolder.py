@@ -17,9 +17,6 @@ from gputrain.data.classfolder import (
 )
 from gputrain.data.images import DataError, read_image_rgb, read_mask, seeded_split
 
-# torchvision 0.29 deprecates torchvision.io decoding in favour of TorchCodec; the brief asks for torchvision.io.
-pytestmark = pytest.mark.filterwarnings("ignore:The image decoding:DeprecationWarning")
-
 
 @pytest.fixture(scope="module")
 def generated(tmp_path_factory: pytest.TempPathFactory) -> Path:

@@ -12,20 +12,13 @@ import numpy as np
 import pytest
 import torch
 from pycocotools import mask as mask_utils
-from torchvision.io import write_jpeg
+from torchcodec.encoders import JpegEncoder
 
 from gputrain.data.coco import COCODetection, detection_collate, split_coco
 from gputrain.data.coco_sample import make_coco
 from gputrain.data.images import DataError
 
-pytestmark = [
-    pytest.mark.filterwarnings(
-        "ignore:The image decoding:DeprecationWarning"
-    ),  # torchvision 0.29 points to TorchCodec
-    pytest.mark.filterwarnings(
-        "ignore:__array__ implementation:DeprecationWarning"
-    ),  # pycocotools vs numpy 2
-]
+pytestmark = pytest.mark.filterwarnings("ignore:__array__ implementation:DeprecationWarning")  # pycocotools vs numpy 2
 
 S = 16  # fixture images are S×S
 
@@ -58,7 +51,7 @@ def fixture_set(root: Path, extra: Sequence[dict[str, Any]] = ()) -> tuple[Path,
     images = {1: "a.jpg", 2: "b.jpg", 3: "c.jpg", 5: "d.jpg", 8: "e.jpg", 9: "f.jpg"}
     (root / "img").mkdir(parents=True, exist_ok=True)
     for name in images.values():
-        write_jpeg(torch.full((3, S, S), 90, dtype=torch.uint8), str(root / "img" / name))
+        JpegEncoder(torch.full((3, S, S), 90, dtype=torch.uint8)).to_file(root / "img" / name)
     anns = [
         _ann(10, 1, 7, [2, 2, 6, 6], _poly(2, 2, 6, 6)),  # fine
         _ann(11, 1, 3, [10, 10, 10, 4], _poly(10, 10, 10, 4)),  # runs off the right edge: clipped
@@ -145,7 +138,7 @@ def test_degenerate_box_from_a_transform_never_reaches_the_model(tmp_path: Path)
 
 def test_image_size_mismatch_and_missing_image(tmp_path: Path) -> None:
     image_dir, ann = fixture_set(tmp_path)
-    write_jpeg(torch.zeros((3, S, S + 4), dtype=torch.uint8), str(image_dir / "a.jpg"))
+    JpegEncoder(torch.zeros((3, S, S + 4), dtype=torch.uint8)).to_file(image_dir / "a.jpg")
     (image_dir / "f.jpg").unlink()
     ds = COCODetection(image_dir, ann)
     with pytest.raises(DataError, match=r"a\.jpg is 20x16 but .*16x16"):

@@ -310,10 +310,10 @@ def test_data_make_refuses_negative_counts(tmp_path):
 
 
 def test_images_of_different_sizes_name_the_first_odd_file(tmp_path):
-    from torchvision.io import write_png
+    from torchcodec.encoders import PngEncoder
 
     for i, side in enumerate((40, 40, 32, 40)):
-        write_png(torch.zeros(3, side, side + 1, dtype=torch.uint8), str(tmp_path / f"f{i}.png"))
+        PngEncoder(torch.zeros(3, side, side + 1, dtype=torch.uint8)).to_file(tmp_path / f"f{i}.png")
     files = sorted(tmp_path.glob("*.png"))
     with pytest.raises(DataError) as err:
         ImageFiles(files)

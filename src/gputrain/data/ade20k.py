@@ -16,8 +16,8 @@ import numpy as np
 import torch
 from torch import Tensor
 from torch.utils.data import Dataset
+from torchcodec.encoders import JpegEncoder, PngEncoder
 from torchvision import tv_tensors
-from torchvision.io import write_jpeg, write_png
 from torchvision.transforms import v2
 
 from gputrain.data.images import (
@@ -177,10 +177,7 @@ def make_ade20k(
                 paint(canvas, region, class_colour(cls), rng)
                 mask[region] = cls + 1
             stem = f"{prefix}_{i + 1:08d}"
-            write_jpeg(
-                torch.from_numpy(canvas).permute(2, 0, 1).contiguous(),
-                str(out / "images" / split / f"{stem}.jpg"),
-                quality=95,
-            )
-            write_png(torch.from_numpy(mask)[None], str(out / "annotations" / split / f"{stem}.png"))
+            pixels = torch.from_numpy(canvas).permute(2, 0, 1).contiguous()
+            JpegEncoder(pixels).to_file(out / "images" / split / f"{stem}.jpg", quality=95)
+            PngEncoder(torch.from_numpy(mask)[None]).to_file(out / "annotations" / split / f"{stem}.png")
     return out

@@ -2,7 +2,7 @@
 
 Scanning, class discovery and indexing are torchvision's own :class:`~torchvision.datasets.ImageFolder`;
 this module only swaps the loader for :func:`~gputrain.data.images.read_image_rgb`, so a truncated or
-corrupt file names its path, and refuses image suffixes torchvision.io cannot decode instead of letting
+corrupt file names its path, and refuses image suffixes TorchCodec is not asked to decode instead of letting
 ImageFolder skip (or PIL half-read) them.
 """
 
@@ -17,9 +17,9 @@ import numpy as np
 import torch
 from torch import Tensor
 from torch.utils.data import Subset
+from torchcodec.encoders import JpegEncoder, PngEncoder
 from torchvision.datasets import ImageFolder
 from torchvision.datasets.folder import IMG_EXTENSIONS
-from torchvision.io import write_jpeg, write_png
 from torchvision.transforms import v2
 
 from gputrain.data.device_decode import read_encoded
@@ -85,7 +85,7 @@ class ClassFolder(ImageFolder):
             ) from e
         if skipped:
             raise DataError(
-                f"{len(skipped)} image(s) in {root} have a format torchvision.io cannot decode, e.g. {skipped[0]}; "
+                f"{len(skipped)} image(s) in {root} have a format gputrain does not decode, e.g. {skipped[0]}; "
                 f"convert them to one of {', '.join(DECODABLE_SUFFIXES)} (PNG keeps them lossless) or remove them"
             )
 
@@ -133,7 +133,7 @@ def make_classfolder(
         for i in range(per_class):
             image = torch.from_numpy(draw_class_image(rng, cls, size)).permute(2, 0, 1).contiguous()
             if i % 4 == 3:
-                write_png(image, str(folder / f"{i:05d}.png"))
+                PngEncoder(image).to_file(folder / f"{i:05d}.png")
             else:
-                write_jpeg(image, str(folder / f"{i:05d}.jpg"), quality=90)
+                JpegEncoder(image).to_file(folder / f"{i:05d}.jpg", quality=90)
     return out

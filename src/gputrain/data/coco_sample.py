@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from torchvision.io import write_jpeg
+from torchcodec.encoders import JpegEncoder
 
 from gputrain.data import images as synth
 from gputrain.data.coco import _pycocotools
@@ -71,7 +71,7 @@ def make_coco(
             values = (len(anns) + 1, image_id, CATEGORY_IDS[0], [5, 5, 0, 10], 0.0, [[5, 5, 5, 15, 5, 15]], 0)
             anns.append(dict(zip(_ANN_KEYS, values, strict=True)))
         pixels = torch.from_numpy(canvas).permute(2, 0, 1).contiguous()
-        write_jpeg(pixels, str(out / "images" / f"{image_id:012d}.jpg"), quality=95)
+        JpegEncoder(pixels).to_file(out / "images" / f"{image_id:012d}.jpg", quality=95)
         images.append({"id": image_id, "file_name": f"{image_id:012d}.jpg", "width": size, "height": size})
     categories = [
         {"id": CATEGORY_IDS[c], "name": synth.POLYGON_SHAPES[c], "supercategory": "shape"}

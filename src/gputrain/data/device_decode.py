@@ -1,15 +1,15 @@
 """``data.decode_on_device=true``: loader workers only read the files; images are decoded on the training device.
 
-On CUDA a batch of JPEGs is decoded in one call by nvJPEG (``torchvision.io.decode_jpeg(..., device="cuda")``)
+On CUDA a batch of JPEGs is decoded in one call by nvJPEG (TorchCodec's ``decode_jpeg([...], device="cuda")``)
 and augmented there, which frees the CPU cores that decoding takes (about 360 images/s per core on 500x375
 JPEGs: a GPU training ResNet-50 at 3,000 images/s would need 8-9 of them). It pays where a machine has few
 cores per GPU; ``gputrain bench throughput`` measures the input-bound ratio with and without it.
 
 Random augmentation stays a function of the sample: a worker records the seed that
 :class:`~gputrain.data.samplers.SeededSamples` gave the sample (``torch.initial_seed()``), and the transform
-runs under that seed on the device. On a CPU the images decode with the same decoder as in the workers, so
-training is bit-for-bit the run that decodes in workers (tested); on CUDA nvJPEG and libjpeg may differ by a
-grey level or so in some pixels.
+runs under that seed on the device. On a CPU the images decode with the same decoder as in the workers
+(:func:`~gputrain.data.images.decode_rgb`), so training is bit-for-bit the run that decodes in workers (tested);
+on CUDA nvJPEG and libjpeg may differ by a grey level or so in some pixels. Both apply the EXIF orientation.
 """
 
 from __future__ import annotations
@@ -17,14 +17,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
 from torch.utils.data import default_collate
-from torchvision.io import ImageReadMode, decode_image, decode_jpeg
+from torchcodec.decoders import decode_jpeg
 
-from gputrain.data.images import DataError, _short
+from gputrain.data.images import DataError, _short, decode_rgb
 
 JPEG_MAGIC = b"\xff\xd8"
 
@@ -57,13 +57,13 @@ def read_encoded(path: str) -> EncodedImage:
 
 
 def _decode_one(image: EncodedImage, device: torch.device) -> Tensor:
-    try:
-        if device.type == "cuda" and image.data[:2] == JPEG_MAGIC:
-            return decode_jpeg(image.tensor(), mode=ImageReadMode.RGB, device=device)
-        return decode_image(image.tensor(), mode=ImageReadMode.RGB).to(device)
-    except RuntimeError as e:
-        raise DataError(f"image {image.path} is unreadable, truncated or corrupt ({_short(e)}); remove the file or "
-                        "re-export it as JPEG or PNG") from e
+    if device.type == "cuda" and image.data[:2] == JPEG_MAGIC:
+        try:
+            return cast(Tensor, decode_jpeg(image.tensor(), mode="RGB", device=device))  # one source: one tensor
+        except (RuntimeError, ValueError) as e:
+            raise DataError(f"image {image.path} is unreadable, truncated or corrupt ({_short(e)}); remove the file "
+                            "or re-export it as JPEG or PNG") from e
+    return decode_rgb(image.data, image.path).to(device)
 
 
 def decode_batch(images: list[EncodedImage], device: torch.device) -> list[Tensor]:
@@ -72,10 +72,10 @@ def decode_batch(images: list[EncodedImage], device: torch.device) -> list[Tenso
     jpegs = [i for i, im in enumerate(images) if im.data[:2] == JPEG_MAGIC]
     if device.type == "cuda" and jpegs:
         try:
-            out = decode_jpeg([images[i].tensor() for i in jpegs], mode=ImageReadMode.RGB, device=device)
+            out = decode_jpeg([images[i].tensor() for i in jpegs], mode="RGB", device=device)
             for i, tensor in zip(jpegs, out, strict=True):
                 decoded[i] = tensor
-        except RuntimeError:
+        except (RuntimeError, ValueError):
             pass  # one bad file fails the whole call: decode one by one below, which names it
     return [d if d is not None else _decode_one(images[i], device) for i, d in enumerate(decoded)]
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 import torchvision.transforms.v2.functional as TF
 from torch.utils.data import Dataset
-from torchvision.io import encode_jpeg, encode_png, write_file
+from torchcodec.encoders import JpegEncoder, PngEncoder
 
 from gputrain.data.images import DECODABLE_SUFFIXES, DataError, read_image_rgb
 from gputrain.data.images import image_size as header_size
@@ -95,7 +95,9 @@ def make_frames(out: str | Path, *, count: int = 512, size: int = 80, videos: in
                 inside = ((ys - cy) ** 2 + (xs - cx) ** 2) < radius**2
                 frame = torch.where(inside, colour.view(3, 1, 1), frame)
             pixels = (frame.clamp(0, 1) * 255).round().to(torch.uint8)
-            encoded = encode_jpeg(pixels, quality=92) if f % 4 else encode_png(pixels)
-            write_file(str(folder / f"frame_{f:04d}.{'jpg' if f % 4 else 'png'}"), encoded)
+            if f % 4:
+                JpegEncoder(pixels).to_file(folder / f"frame_{f:04d}.jpg", quality=92)
+            else:
+                PngEncoder(pixels).to_file(folder / f"frame_{f:04d}.png")
             written += 1
     return out

@@ -1,7 +1,7 @@
 """Image and mask reading shared by every loader, plus the drawing helpers of the sample-data generators.
 
-Every loader decodes through :func:`read_image_rgb`, so a truncated or corrupt file fails the same way
-everywhere: a :class:`DataError` that names the path and says what to do, instead of a C++ stack trace
+Every loader decodes through :func:`read_image_rgb` (TorchCodec), so a truncated or corrupt file fails the same
+way everywhere: a :class:`DataError` that names the path and says what to do, instead of a C++ stack trace
 from a DataLoader worker that hides which of a million files was bad. There is deliberately no fallback
 to another decoder: a file one library half-decodes is a file that should be re-exported.
 """
@@ -18,14 +18,20 @@ import numpy as np
 import torch
 from PIL import Image
 from torch import Tensor
-from torchvision.io import ImageReadMode, decode_image, read_file
+from torchcodec.decoders import decode_image
 from torchvision.transforms import v2
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
-#: Suffixes :func:`read_image_rgb` can decode (those of ``torchvision.io.decode_image``).
+#: Suffixes :func:`read_image_rgb` accepts. TorchCodec also decodes AVIF and HEIC (the latter only with a
+#: system libheif); they are left out so that a folder loads the same files on every machine, as before.
 DECODABLE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".gif")
+
+#: EXIF orientations that turn the picture a quarter (transpose, rotate 90 or 270, transverse): the decoded
+#: image is the stored one with height and width swapped.
+_QUARTER_TURNS = (5, 6, 7, 8)
+_EXIF_ORIENTATION = 0x0112
 
 PathLike = str | os.PathLike[str]
 
@@ -35,39 +41,51 @@ class DataError(ValueError):
 
 
 def _short(err: BaseException) -> str:
-    # torchvision prefixes its messages with "function, /build/path/file.cpp:123, "; drop that noise.
-    return re.sub(r"^[\w:]+, \S+:\d+, ", "", str(err)).strip()
+    # The C++ decoders prefix messages with "function, /build/path/file.cpp:123, " and libjpeg appends its
+    # warnings on new lines; drop the prefix and keep one line, so the error stays one line naming the file.
+    return " ".join(re.sub(r"^[\w:]+, \S+:\d+, ", "", str(err)).split())
+
+
+def decode_rgb(data: bytes | Tensor, path: PathLike) -> Tensor:
+    """Decode encoded image bytes into ``(3, H, W)`` pixels; :class:`DataError` naming ``path`` if they cannot be.
+
+    The one decoding call of gputrain (the loaders' :func:`read_image_rgb` and ``data.decode_on_device``'s CPU
+    path). ``output_dtype="auto"`` keeps a 16-bit PNG's ``uint16`` values, as torchvision's decoder gave them.
+    """
+    try:
+        return decode_image(data, mode="RGB", output_dtype="auto")
+    except (RuntimeError, ValueError) as e:  # ValueError: TorchCodec does not recognise the format
+        raise DataError(
+            f"image {path} is unreadable, truncated or corrupt ({_short(e)}); remove the file or re-export it "
+            f"as JPEG or PNG (supported: {', '.join(DECODABLE_SUFFIXES)})"
+        ) from e
 
 
 def read_image_rgb(path: PathLike) -> Tensor:
-    """Decode a JPEG/PNG/WebP/GIF file into a ``uint8`` tensor of shape ``(3, H, W)``.
+    """Decode a JPEG/PNG/WebP/GIF file into a ``uint8`` tensor of shape ``(3, H, W)`` (``uint16`` for 16-bit PNGs).
 
-    Grey and palette images are converted to RGB. Raises :class:`DataError` naming ``path`` when the
-    file is missing, empty, truncated, corrupt or of a format torchvision cannot decode.
+    Grey, palette, RGBA and CMYK images are converted to RGB; an EXIF orientation is applied (the picture as a
+    viewer shows it, see docs/data.md). Raises :class:`DataError` naming ``path`` when the file is missing,
+    empty, truncated, corrupt or of a format TorchCodec cannot decode.
     """
     p = Path(path)
     try:
-        data = read_file(str(p))
-    except RuntimeError as e:
+        data = p.read_bytes()
+    except OSError as e:
         raise DataError(
-            f"cannot read image {p}: {_short(e)}; check that the file exists and is readable"
+            f"cannot read image {p}: {e.strerror or e}; check that the file exists and is readable"
         ) from e
-    if data.numel() == 0:
+    if not data:
         raise DataError(f"image {p} is empty (0 bytes); remove the file or re-export it")
-    try:
-        return decode_image(data, mode=ImageReadMode.RGB)
-    except RuntimeError as e:
-        raise DataError(
-            f"image {p} is unreadable, truncated or corrupt ({_short(e)}); remove the file or re-export it "
-            f"as JPEG or PNG (supported: {', '.join(DECODABLE_SUFFIXES)})"
-        ) from e
+    return decode_rgb(data, p)
 
 
 def read_mask(path: PathLike) -> Tensor:
     """Read a single-channel label PNG (mode ``L``, ``P``, ``I`` or ``I;16``) into an ``int64`` ``(H, W)`` tensor.
 
-    PIL is used rather than torchvision because torchvision expands palette PNGs to RGB, which would
-    turn class indices into colours; PIL returns the indices themselves.
+    PIL is used rather than TorchCodec because TorchCodec (like torchvision before it) expands palette PNGs to
+    RGB even in mode ``UNCHANGED``, which would turn class indices into colours, and reads 1-bit PNGs as 0/255;
+    PIL returns the indices themselves. Masks carry no EXIF orientation, so none is applied.
     """
     p = Path(path)
     try:
@@ -91,14 +109,19 @@ def read_mask(path: PathLike) -> Tensor:
 
 
 def image_size(path: PathLike) -> tuple[int, int]:
-    """``(height, width)`` of an image from its header only (no pixel decode); for cheap validation."""
+    """``(height, width)`` of an image as :func:`read_image_rgb` returns it, from its header only (no pixel decode).
+
+    For cheap validation: the EXIF orientation is read too, since TorchCodec applies it, so a quarter turn
+    swaps the stored height and width.
+    """
     p = Path(path)
     try:
         with Image.open(p) as im:
             w, h = im.size
+            turned = im.getexif().get(_EXIF_ORIENTATION) in _QUARTER_TURNS
     except (OSError, SyntaxError) as e:
         raise DataError(f"cannot read the header of {p} ({e}); remove the file or re-export it") from e
-    return h, w
+    return (w, h) if turned else (h, w)
 
 
 def normalize_transform(mean: tuple[float, ...], std: tuple[float, ...]) -> Callable[..., object]:

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torchvision.io import write_jpeg, write_png
+from torchcodec.encoders import JpegEncoder, PngEncoder
 from torchvision.utils import draw_bounding_boxes, draw_segmentation_masks
 
 from gputrain.data.images import class_colour, read_image_rgb
@@ -73,6 +73,9 @@ def write_pictures(task: Any, inputs: Sequence[Any], results: Sequence[Any], out
     (out / folder).mkdir(exist_ok=True)
     for item, r in zip(inputs, results, strict=True):
         picture, _ = task.draw(read_image_rgb(item.path), r)
-        path = str(out / folder / f"{item.stem}{suffix}")
-        write_jpeg(picture, path, quality=90) if suffix == ".jpg" else write_png(picture, path)
+        path = out / folder / f"{item.stem}{suffix}"
+        if suffix == ".jpg":
+            JpegEncoder(picture).to_file(path, quality=90)
+        else:
+            PngEncoder(picture).to_file(path)
     return str(out / folder)

@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torchcodec.encoders import PngEncoder
 from torchvision import tv_tensors
-from torchvision.io import write_png
 
 from gputrain.config import RunConfig
 from gputrain.data.ade20k import ADE20K, IGNORE_INDEX, segmentation_transform
@@ -74,7 +74,7 @@ class SegmentationTask(Task):
         (out / "masks").mkdir(exist_ok=True)
         for item, labels in zip(inputs, results, strict=True):
             # ADE20K's encoding: stored value k + 1 for class k (0 is "other", never predicted).
-            write_png((labels.to(torch.int16) + 1).to(torch.uint8)[None], str(out / "masks" / f"{item.stem}.png"))
+            PngEncoder((labels.to(torch.int16) + 1).to(torch.uint8)[None]).to_file(out / "masks" / f"{item.stem}.png")
         write_pictures(self, inputs, results, out, "overlays", ".jpg")
         return f"{out / 'masks'} and {out / 'overlays'}"
 
