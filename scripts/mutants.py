@@ -592,7 +592,7 @@ FAULTS: tuple[Fault, ...] = (
           (("MaxNLocator(integer=True, min_n_ticks=1)", "MaxNLocator(integer=True)"),),
           ("tests/unit/test_report.py::test_the_epoch_axis_has_whole_epochs_only",)),
     Fault("the process group gputrain made is left to interpreter exit", "src/gputrain/dist/env.py",
-          (("        atexit.register(teardown)\n", ""),),
+          (("        atexit.register(_teardown_at_exit)\n", ""),),
           ("tests/e2e/test_user_code.py::"
            "test_a_finished_python_api_job_ends_its_process_group_before_interpreter_exit",)),
     Fault("torch modules that default to group.WORLD are imported after the group exists", "src/gputrain/dist/env.py",
@@ -600,7 +600,7 @@ FAULTS: tuple[Fault, ...] = (
           ("tests/e2e/test_user_code.py::"
            "test_a_finished_python_api_job_ends_its_process_group_before_interpreter_exit",)),
     Fault("an FSDP mesh keeps its destroyed group alive", "src/gputrain/dist/env.py",
-          (("    _release_groups_held_by_device_meshes()\n    #", "    #"),),
+          (("        getattr(mesh, \"_pg_registry\", {}).clear()\n", "        pass\n"),),
           ("tests/e2e/test_user_code.py::"
            "test_a_finished_python_api_job_ends_its_process_group_before_interpreter_exit[fsdp]",)),
     Fault("a model in a reference cycle keeps its destroyed group to interpreter exit", "src/gputrain/dist/env.py",

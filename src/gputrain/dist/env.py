@@ -11,11 +11,15 @@ import atexit
 import datetime
 import gc
 import os
-import sys
+import weakref
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
+
+_MESHES: weakref.WeakSet[Any] = weakref.WeakSet()
+"""The meshes :func:`device_mesh` made: their groups are dropped by :func:`teardown`."""
 
 
 @dataclass(frozen=True)
@@ -133,7 +137,7 @@ def init_distributed(accelerator: str = "auto", timeout_s: float = 600.0) -> Dis
         # gputrain made the group, so gputrain ends it: left to interpreter exit, gloo's threads may be torn down
         # while running and abort the process ("terminate called without an active exception", SIGABRT), and
         # torchrun or a scheduler then marks a job that trained as failed. atexit runs before that teardown.
-        atexit.register(teardown)
+        atexit.register(_teardown_at_exit)
     return DistInfo(
         rank=dist.get_rank(), local_rank=layout["local_rank"], world_size=dist.get_world_size(), device=device
     )
@@ -152,33 +156,31 @@ def _import_modules_that_capture_the_world_group() -> None:
     import torch.distributed.optim.zero_redundancy_optimizer  # noqa: F401
 
 
-def teardown() -> None:
-    """Destroy the process group if this process made one, and free what still holds a destroyed group.
+def device_mesh(device_type: str, world_size: int) -> Any:
+    """A 1-D ``DeviceMesh`` over the job's ranks (what FSDP shards over), released by :func:`teardown`.
 
-    Also run at interpreter exit (registered by :func:`init_distributed`), once the run's objects are garbage.
+    torch 2.14's ``DeviceMesh`` keeps its groups in ``_pg_registry``, and DTensor's sharding caches keep an FSDP run's
+    mesh alive after ``destroy_process_group``: the group would live on, with its threads, to interpreter exit.
+    Meshes made here have their groups dropped when the group is destroyed.
     """
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device_type, (world_size,))
+    _MESHES.add(mesh)
+    return mesh
+
+
+def teardown() -> None:
+    """Destroy the process group if this process made one, and drop the groups the meshes made here hold."""
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
-    _release_groups_held_by_device_meshes()
+    for mesh in list(_MESHES):
+        getattr(mesh, "_pg_registry", {}).clear()
+
+
+def _teardown_at_exit() -> None:
+    teardown()
     # A model wrapped by FSDP sits in reference cycles that hold its group: left to the collector of interpreter
     # exit, the group's gloo threads are torn down after Python is and abort the rank ("terminate called without
     # an active exception", SIGABRT) after a job that finished. Collected here, the group is freed while Python runs.
     gc.collect()
-
-
-def _release_groups_held_by_device_meshes() -> None:
-    """Drop the groups every ``DeviceMesh`` still holds once they are destroyed.
-
-    torch 2.14's ``DeviceMesh`` keeps its groups in ``_pg_registry``, and DTensor's sharding caches keep the mesh of
-    an FSDP run alive after ``destroy_process_group``: the group would live on, with its threads, to interpreter exit.
-    A mesh whose groups are destroyed is of no use.
-    """
-    mesh_module = sys.modules.get("torch.distributed.device_mesh")
-    if mesh_module is None or not hasattr(mesh_module, "DeviceMesh") or dist.is_initialized():
-        return
-    mesh_class = mesh_module.DeviceMesh
-    for obj in gc.get_objects():
-        # type(), not isinstance: any object can turn up here, and isinstance asks the object itself (a dead weak
-        # proxy raises, a deprecated torch object warns); type() asks nothing of it.
-        if issubclass(type(obj), mesh_class):
-            getattr(obj, "_pg_registry", {}).clear()

@@ -28,11 +28,10 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
-from gputrain.dist import DistInfo
+from gputrain.dist import DistInfo, device_mesh
 from gputrain.strategies.base import Strategy, strip_module_prefix, tensors_of
 
 if TYPE_CHECKING:
@@ -125,7 +124,7 @@ class FSDP(Strategy):
             return model.to(self.dist.device)
         # No model.to(device) first: fully_shard moves each unit to the mesh's device as it shards
         # it, so the whole unsharded model never has to fit on one GPU at once.
-        mesh = init_device_mesh(self.dist.device.type, (self.dist.world_size,))
+        mesh = device_mesh(self.dist.device.type, self.dist.world_size)
         self.units = shard_units(model, self.min_fraction)
         for name in self.units:
             fully_shard(model.get_submodule(name), mesh=mesh, reshard_after_forward=self.reshard_after_forward)
