@@ -299,7 +299,7 @@ FAULTS: tuple[Fault, ...] = (
     Fault("gputrain.launch leaves the agent's noise and signal handlers to the caller", "src/gputrain/launcher/ranks.py",
           (("with _launcher_scope():  # quiet agent", "with contextlib.nullcontext():  # quiet agent"),),
           ("tests/distributed/test_launch.py::"
-           "test_a_failing_rank_under_launch_is_one_exception_and_the_callers_handler_comes_back",)),
+           "test_a_failing_rank_under_launch_is_one_exception_and_the_callers_handler_comes_back[elastic-agent]",)),
     # -- issue 17: pretrained weights --------------------------------------------------------
     Fault("pretrained weights fetched but never loaded", "src/gputrain/models/pretrained.py",
           (("    model.load_state_dict(fitting, strict=False)\n", "    pass\n"),),
@@ -362,7 +362,7 @@ FAULTS: tuple[Fault, ...] = (
             "return EncodedImage(data, str(path), int(torch.randint(2**31, ())))"),),
           ("tests/unit/test_device_decode.py::test_a_batch_decoded_on_the_device_equals_the_one_decoded_in_workers",)),
     Fault("a corrupt image decoded on the device is not named", "src/gputrain/data/device_decode.py",
-          (("        raise DataError(f\"image {image.path} is unreadable", "        raise RuntimeError(f\"image is unreadable"),),
+          (("    return decode_rgb(image.data, image.path).to(device)", "    return decode_rgb(image.data, \"an image\").to(device)"),),
           ("tests/unit/test_device_decode.py::test_a_corrupt_jpeg_is_one_line_naming_the_file",)),
     # -- issue 16 item 4: one CRC pass (torch's zip records), bound to the manifest ------------------------
     Fault("the records' bytes are not checked against their CRCs", "src/gputrain/checkpoint/manifest.py",

@@ -43,11 +43,12 @@ def own_handler(signum, frame):
 
 
 if __name__ == "__main__":
+    restarts = int(sys.argv[2])
     if sys.argv[1] == "uncaught":
-        gputrain.launch(work, devices=2)
+        gputrain.launch(work, devices=2, max_restarts=restarts)
     signal.signal(signal.SIGTERM, own_handler)
     try:
-        gputrain.launch(work, devices=2)
+        gputrain.launch(work, devices=2, max_restarts=restarts)
     except Exception as err:
         print("caught", type(err).__name__, err, flush=True)
     os.kill(os.getpid(), signal.SIGTERM)
@@ -55,17 +56,20 @@ if __name__ == "__main__":
 '''
 
 
-def _script(tmp_path: Path, mode: str) -> subprocess.CompletedProcess:
+def _script(tmp_path: Path, mode: str, restarts: int = 0) -> subprocess.CompletedProcess:
     script = tmp_path / "api_script.py"
     script.write_text(SCRIPT)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("GPUTRAIN_DEBUG", None)
-    return subprocess.run([sys.executable, str(script), mode], capture_output=True, text=True, env=env,
+    return subprocess.run([sys.executable, str(script), mode, str(restarts)], capture_output=True, text=True, env=env,
                           cwd=tmp_path, timeout=240)
 
 
-def test_a_failing_rank_under_launch_is_one_exception_and_the_callers_handler_comes_back(tmp_path):
-    done = _script(tmp_path, "caught")
+@pytest.mark.parametrize("restarts", [0, 1], ids=["direct", "elastic-agent"])
+def test_a_failing_rank_under_launch_is_one_exception_and_the_callers_handler_comes_back(tmp_path, restarts):
+    """Without restarts the ranks start directly; with them torchrun's elastic agent starts (and restarts) them, and
+    its log lines and signal handlers must not reach the caller either."""
+    done = _script(tmp_path, "caught", restarts)
     caught = [line for line in done.stdout.splitlines() if line.startswith("caught")]
     assert len(caught) == 1 and "rank 1: ValueError: rank one refuses this model" in caught[0], done.stdout
     assert caught[0].startswith("caught WorkerFailed")
