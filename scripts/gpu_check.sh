@@ -1,80 +1,174 @@
 #!/usr/bin/env bash
-# CUDA tests and GPU benchmarks on a lent GPU machine (python3 there has torch; wheels for what it
-# lacks travel in .whl/). Results go to $OUT (or runs/gpu). Usage: bash scripts/gpu_check.sh [tests|bench|recipes]...
+# The GPU checklist: what a lent GPU machine must show, run in the order that tells the most first if the lease
+# runs out. python3 there has torch; wheels for what it lacks travel in .whl/ and are installed to /tmp/site.
+#
+#   bash scripts/gpu_check.sh                  # the whole checklist: tests, recipes, images
+#   bash scripts/gpu_check.sh tests images     # some parts; a recipe's name runs that recipe's check alone
+#
+#   tests    the CUDA-marked tests (pytest -m cuda); failed when a test fails or none ran
+#   recipes  every built-in recipe (src/gputrain/recipes/*.yaml) for $EPOCHS epochs on generated data, with its
+#            own precision and at its real input size: ResNet-50 at 224 on 500x375 JPEGs, DeepLabv3+ on 512 crops,
+#            Mask R-CNN at COCO's training scale (shorter side 800); images/s and peak memory of each
+#   images   ResNet-50 images/s on real JPEGs and on synthetic data (gputrain bench throughput), decoding in the
+#            loader workers, then on the GPU (data.decode_on_device=true)
+#
+# Each check writes its figures and verdict as JSON to $OUT/checks/ (scripts/gpu_checklist.py) and its output to
+# $OUT/logs/. At the end the script prints one markdown table of every check in $OUT (also $OUT/checklist.md) and
+# exits 1 when a check failed: a run that ended non-zero or logged a NaN/inf loss, or a failed CUDA test.
+# Data sets and run folders stay on the machine ($GPU_DATA, $GPU_RUNS): made once, reused by later commands.
+#
+# Time: about 15 minutes for the whole list on an H100/H200 (estimated from earlier GPU runs, not yet timed as one).
+# Where one command may run at most 10 minutes, run the parts as separate commands (each about 5 minutes):
+#   bash scripts/gpu_check.sh tests autoencoder cifar10-resnet18 imagefolder-resnet50 resnet50-model-parallel
+#   bash scripts/gpu_check.sh ade20k-deeplabv3plus coco-maskrcnn
+#   bash scripts/gpu_check.sh images
+# and print the table of all three from their $OUT folders: python3 scripts/gpu_checklist.py table OUT1 OUT2 OUT3
+# (a command cut off by its time limit keeps the checks it finished in $OUT/checks: the same command prints them).
+#
+# Settings (environment; defaults in brackets): GPU_ACC [cuda], PYTHON [python3], EPOCHS [3], WORKERS
+# (data.num_workers) [auto], GPU_ARGS (overrides added to every run, e.g. trainer.log_every_n_steps=1 to see where a
+# NaN begins) [none],
+# counts of generated images FRAMES_COUNT [2000], CIFAR_COUNT [12000], PER_CLASS (JPEGs per class, 10 classes)
+# [1000], ADE_COUNT [640], COCO_COUNT [400], MP_COUNT [1000]; sizes RESNET_SIZE [224], ADE_SIZE [512],
+# COCO_SIZE (generated) [640], COCO_MIN/COCO_MAX (Mask R-CNN's resize) [800/1333], MP_SIZE [64]; BATCH (images) [256].
+# On a CPU, as a smoke test of this script: GPU_ACC=cpu with tiny sizes (tests/e2e/test_gpu_check.py); the
+# CUDA-only checks then get a "skipped: no GPU" row.
+#
+# Other GPU measurements, not in the checklist, which print their own figures: fast (ResNet-50 with each speed
+# option, benchmarks/fast_path.py), bench (trainer overhead and scaling of the autoencoder).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/gpu}
-mkdir -p "$OUT"
-if [ -d /tmp/site/omegaconf ]; then  # installed by an earlier part of the same command
+PY=${PYTHON:-python3}
+# The cheapest recipes first, so that a lease cut short still has most of the rows; then any recipe added since,
+# which gets a failed row until run_recipe knows its data.
+RECIPES="autoencoder cifar10-resnet18 imagefolder-resnet50 resnet50-model-parallel ade20k-deeplabv3plus coco-maskrcnn"
+for f in src/gputrain/recipes/*.yaml; do
+  [[ " $RECIPES " == *" $(basename "$f" .yaml) "* ]] || RECIPES="$RECIPES $(basename "$f" .yaml)"
+done
+PARTS=${*:-tests recipes images}
+for part in $PARTS; do  # every name is checked before anything runs
+  [[ " tests recipes images fast bench $RECIPES " == *" $part "* ]] && continue
+  echo "gpu_check.sh: no part $part; parts: tests recipes images fast bench, or a recipe: $RECIPES" >&2
+  exit 2
+done
+mkdir -p "$OUT/logs"
+if [ -d /tmp/site/omegaconf ]; then  # installed by an earlier command on the same machine
   export PYTHONPATH=/tmp/site:$PWD/src
 elif ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site:$PWD/src
 else
   export PYTHONPATH=$PWD/src
 fi
 export PYTHONUNBUFFERED=1 WANDB_SILENT=true
-nvidia-smi -L; python3 -c "import torch, torchvision; print('torch', torch.__version__, 'torchvision', torchvision.__version__)"
-for part in "${@:-tests bench}"; do
+ACC=${GPU_ACC:-cuda}; EPOCHS=${EPOCHS:-3}; WORKERS=${WORKERS:-auto}; GPU_ARGS=${GPU_ARGS:-}
+D=${GPU_DATA:-/tmp/gpudata}; R=${GPU_RUNS:-/tmp/gpuruns}  # ResNet-50 and Mask R-CNN checkpoints are large: not in $OUT
+RESNET_SIZE=${RESNET_SIZE:-224}; PER_CLASS=${PER_CLASS:-1000}
+JPEGS=$D/jpegs-$PER_CLASS/imagenet-like  # the data's sizes are in its folder's name: other sizes, other folder
+mkdir -p "$D" "$R"
+[ "$ACC" != cuda ] || nvidia-smi -L
+$PY -c "import torch, torchvision; print('torch', torch.__version__, 'torchvision', torchvision.__version__)"
+
+UNRECORDED=0  # a check whose verdict could not be written has no row: the table alone would pass without it
+check() { $PY scripts/gpu_checklist.py "$@" --out "$OUT" || { UNRECORDED=1; echo "gpu_check.sh: not recorded: $*" >&2; }; }
+
+make_data() {  # KIND FOLDER COUNT SIZE: once per machine, into a temporary folder first so a cut-off one is not reused
+  [ -d "$D/$2" ] && return
+  rm -rf "$D/$2.part" && $PY -m gputrain data make "$1" --out "$D/$2.part" --count "$3" --size "$4" >/dev/null \
+    && mv "$D/$2.part" "$D/$2"
+}
+
+make_jpegs() {  # 10 classes of 500x375 JPEGs, as ImageNet's photos (scripts/imagenet_like.py)
+  [ -d "$JPEGS" ] && return
+  rm -rf "$D/jpegs.part" && D=$D/jpegs.part PER_CLASS=$PER_CLASS $PY scripts/imagenet_like.py \
+    && mv "$D/jpegs.part" "$D/jpegs-$PER_CLASS"
+}
+
+recipe() {  # NAME SETTING OVERRIDES...: one recipe for $EPOCHS epochs as users run it, then its verdict
+  local name=$1 setting=$2; shift 2
+  # shellcheck disable=SC2086  # GPU_ARGS is a list of overrides
+  $PY -m gputrain train "$name" --accelerator "$ACC" --epochs "$EPOCHS" --out "$R/$name" --overwrite \
+    trainer.progress_bar=false data.num_workers="$WORKERS" "$@" $GPU_ARGS 2>&1 | tee "$OUT/logs/$name.log"
+  check recipe "$name" "$R/$name" --exit-code "${PIPESTATUS[0]}" --log "$OUT/logs/$name.log" --setting "$setting"
+}
+
+run_recipe() {  # the data and settings of each built-in recipe
+  case $1 in
+    autoencoder)
+      make_data imagefolder "frames-${FRAMES_COUNT:=2000}" "$FRAMES_COUNT" 80
+      recipe autoencoder "$FRAMES_COUNT frames of 80x80" --data-root "$D/frames-$FRAMES_COUNT" ;;
+    cifar10-resnet18)
+      make_data cifar10 "cifar10-${CIFAR_COUNT:=12000}" "$CIFAR_COUNT" 32
+      recipe cifar10-resnet18 "$CIFAR_COUNT CIFAR-10-format images of 32x32" --data-root "$D/cifar10-$CIFAR_COUNT" ;;
+    imagefolder-resnet50)
+      make_jpegs
+      recipe imagefolder-resnet50 "$((PER_CLASS * 10)) JPEGs of 500x375, crops of $RESNET_SIZE" --data-root "$JPEGS" \
+        data.image_size="$RESNET_SIZE" ;;
+    ade20k-deeplabv3plus)
+      make_data ade20k "ade20k-${ADE_SIZE:=512}-${ADE_COUNT:=640}" "$ADE_COUNT" "$ADE_SIZE"
+      recipe ade20k-deeplabv3plus "$ADE_COUNT images of ${ADE_SIZE}x$ADE_SIZE, crops of $ADE_SIZE, 8 classes" \
+        --data-root "$D/ade20k-$ADE_SIZE-$ADE_COUNT" data.image_size="$ADE_SIZE" data.num_classes=8 ;;
+    coco-maskrcnn)
+      make_data coco "coco-${COCO_SIZE:=640}-${COCO_COUNT:=400}" "$COCO_COUNT" "$COCO_SIZE"
+      recipe coco-maskrcnn "$COCO_COUNT images of ${COCO_SIZE}x$COCO_SIZE resized to shorter side ${COCO_MIN:=800}" \
+        --data-root "$D/coco-$COCO_SIZE-$COCO_COUNT" model.kwargs.min_size="$COCO_MIN" model.kwargs.max_size="${COCO_MAX:-1333}" ;;
+    resnet50-model-parallel)  # both stages on cuda:0 where there is one GPU
+      make_data classfolder "classes-${MP_SIZE:=64}-${MP_COUNT:=1000}" "$MP_COUNT" "$MP_SIZE"
+      recipe resnet50-model-parallel "$MP_COUNT images of ${MP_SIZE}x$MP_SIZE" --data-root "$D/classes-$MP_SIZE-$MP_COUNT" \
+        data.image_size="$MP_SIZE" ;;
+    *)  # a new recipe must not pass unseen
+      check mark "$1" fail --why "the checklist has no data or settings for this recipe: add them to scripts/gpu_check.sh" ;;
+  esac
+}
+
+images() {  # ResNet-50 images/s, real JPEGs and synthetic, decoding in the workers, then on the GPU
+  make_jpegs
+  for dod in false true; do
+    local name="ResNet-50 images/s, JPEGs decoded in the workers"
+    [ $dod = false ] || name="ResNet-50 images/s, JPEGs decoded on the GPU"
+    if [ $dod = true ] && [ "$ACC" != cuda ]; then  # on a CPU the same decoder runs, later: nothing to measure
+      check mark "$name" skipped --why "no GPU (nvJPEG decoding needs CUDA)" --setting data.decode_on_device=true
+      continue
+    fi
+    # shellcheck disable=SC2086
+    $PY -m gputrain bench throughput imagefolder-resnet50 --accelerator "$ACC" --epochs "$EPOCHS" --data-root "$JPEGS" \
+      --out "$R/images_decode_on_device_$dod" --overwrite trainer.batch_size="${BATCH:-256}" data.image_size="$RESNET_SIZE" \
+      data.num_workers="$WORKERS" data.decode_on_device=$dod $GPU_ARGS 2>&1 | tee "$OUT/logs/images_$dod.log"
+    check images "$name" "$R/images_decode_on_device_$dod" --exit-code "${PIPESTATUS[0]}" \
+      --log "$OUT/logs/images_$dod.log" --setting "$((PER_CLASS * 10)) JPEGs of 500x375, crops of $RESNET_SIZE"
+  done
+}
+
+cuda_tests() {
+  if [ "$ACC" != cuda ]; then
+    check mark "CUDA tests" skipped --why "no GPU (GPU_ACC=$ACC)" --setting "pytest -m cuda tests"
+    return
+  fi
+  rm -f "$OUT/cuda_tests.xml"
+  $PY -m pytest -q -m cuda -p no:cacheprovider --junitxml="$OUT/cuda_tests.xml" tests 2>&1 | tee "$OUT/logs/cuda_tests.log"
+  check tests "$OUT/cuda_tests.xml" --exit-code "${PIPESTATUS[0]}" --log "$OUT/logs/cuda_tests.log"
+}
+
+for part in $PARTS; do
   case $part in
-    tests)
-      python3 -m pytest -q -m cuda -p no:cacheprovider tests 2>&1 | tee "$OUT/cuda_tests.log" ;;
-    bench)
-      python3 benchmarks/overhead.py --accelerator cuda --pairs 5 --json "$OUT/overhead_cuda.json"
-      [ -d /tmp/frames ] || python3 -m gputrain data make imagefolder --out /tmp/frames --count 12944 >/dev/null
-      python3 -m gputrain bench scale autoencoder --devices 1 --batch-size 64,128 --epochs 4 --accelerator cuda \
-        --out "$OUT/scale" data.root=/tmp/frames data.num_workers=6 ;;
-    recipes)
-      # Each built-in recipe on one GPU with its own precision, on generated data, 3 epochs.
-      D=/tmp/gpudata; GT="python3 -m gputrain"
-      [ -d $D/cifar10 ] || $GT data make cifar10 --out $D/cifar10 --count 12000 >/dev/null
-      [ -d $D/ade20k ] || $GT data make ade20k --out $D/ade20k --count 240 --size 256 >/dev/null
-      [ -d $D/coco ] || $GT data make coco --out $D/coco --count 120 --size 256 >/dev/null
-      [ -d $D/classes ] || $GT data make classfolder --out $D/classes --count 2000 --size 128 >/dev/null
-      R=/tmp/gpuruns  # checkpoints of ResNet-50/DeepLab/Mask R-CNN are large: keep them off $OUT
-      common="--accelerator cuda --epochs 3 trainer.progress_bar=false data.num_workers=6 trainer.checkpoint_every_n_epochs=0"
-      $GT train cifar10-resnet18 $common --data-root $D/cifar10 --batch-size 256 --out $R/r_cifar10 2>&1 | grep "epoch 3"
-      $GT train imagefolder-resnet50 $common --data-root $D/classes --batch-size 64 data.image_size=128 --out $R/r_resnet50 2>&1 | grep "epoch 3"
-      $GT train ade20k-deeplabv3plus $common --data-root $D/ade20k --batch-size 16 data.image_size=256 data.num_classes=8 --out $R/r_deeplab 2>&1 | grep "epoch 3"
-      $GT train coco-maskrcnn $common --data-root $D/coco --batch-size 8 --out $R/r_maskrcnn 2>&1 | grep "epoch 3"
-      python3 benchmarks/summarize_runs.py $R/r_cifar10 $R/r_resnet50 $R/r_deeplab $R/r_maskrcnn | tee $OUT/recipes_cuda.md ;;
-    fast)
-      # Issue 16's GPU figures: ResNet-50 at 224 with each speed option (synthetic data), then the input-bound
-      # ratio on ImageNet-like JPEGs (500x375) with the CPU decoding in workers and with nvJPEG on the GPU.
-      D=${GPU_DATA:-/tmp/gpudata}; GT="python3 -m gputrain"; R=${GPU_RUNS:-/tmp/gpuruns}
-      ACC=${GPU_ACC:-cuda}; SIZE=${SIZE:-224}; BATCH=${BATCH:-256}
-      [ -d $D/imagenet-like ] || D=$D PER_CLASS=${PER_CLASS:-1000} python3 scripts/imagenet_like.py
-      common="trainer.batch_size=$BATCH data.image_size=$SIZE data.num_workers=auto"
-      python3 benchmarks/fast_path.py imagefolder-resnet50 --data-root $D/imagenet-like --epochs 3 \
-        --reps "${REPS:-1}" ${EACH:-} $common --json "$OUT/fast_path_resnet50.json" ;;
-    input)
-      # The input-bound ratio on ImageNet-like JPEGs: decoding in the loader workers, then with nvJPEG.
-      D=${GPU_DATA:-/tmp/gpudata}; GT="python3 -m gputrain"; R=${GPU_RUNS:-/tmp/gpuruns}
-      ACC=${GPU_ACC:-cuda}; SIZE=${SIZE:-224}; BATCH=${BATCH:-256}
-      [ -n "${SKIP_DECODE:-}" ] || python3 benchmarks/data_loading.py --images 128 --size 500x375 --crop 224 --pairs 5 \
-        --json "$OUT/decode_per_worker.json" 2>&1 | tail -12
-      [ -d $D/imagenet-like ] || D=$D PER_CLASS=${PER_CLASS:-1000} python3 scripts/imagenet_like.py
-      common="trainer.batch_size=$BATCH data.image_size=$SIZE data.num_workers=auto"
-      for dod in ${DOD:-false true}; do
-        $GT bench throughput imagefolder-resnet50 --accelerator "$ACC" --epochs 3 --data-root $D/imagenet-like \
-          --out $R/throughput_decode_on_device_$dod --overwrite --json "$OUT/throughput_resnet50_dod_$dod.json" \
-          $common data.decode_on_device=$dod
-      done ;;
-    models)
-      # Mask R-CNN R50-FPN at COCO's training scale (shorter side 800, batch 8) and DeepLabv3+ R50 at 512 crops,
-      # the recipes' defaults otherwise (bf16 auto for Mask R-CNN, the recipe's 16-mixed for DeepLabv3+).
-      D=${GPU_DATA:-/tmp/gpudata}; GT="python3 -m gputrain"; R=${GPU_RUNS:-/tmp/gpuruns}; ACC=${GPU_ACC:-cuda}
-      [ -d $D/coco640 ] || [[ " ${MODELS:-maskrcnn deeplab} " != *" maskrcnn "* ]] || $GT data make coco --out $D/coco640 --count "${COCO_COUNT:-400}" --size 640 >/dev/null &
-      [ -d $D/ade512 ] || $GT data make ade20k --out $D/ade512 --count "${ADE_COUNT:-640}" --size 512 >/dev/null &
-      wait
-      [[ " ${MODELS:-maskrcnn deeplab} " == *" maskrcnn "* ]] && $GT bench throughput coco-maskrcnn \
-        --accelerator "$ACC" --epochs 3 --data-root $D/coco640 \
-        --out $R/throughput_maskrcnn --overwrite --json "$OUT/throughput_maskrcnn.json" \
-        trainer.batch_size="${MRCNN_BATCH:-8}" data.num_workers=auto "model.kwargs={${MRCNN_SIZE:-min_size: 800, max_size: 1333}}" \
-        trainer.eval_every_n_epochs=1000
-      [[ " ${MODELS:-maskrcnn deeplab} " == *" deeplab "* ]] && $GT bench throughput ade20k-deeplabv3plus --accelerator "$ACC" --epochs 3 --data-root $D/ade512 \
-        --out $R/throughput_deeplab --overwrite --json "$OUT/throughput_deeplab.json" \
-        trainer.batch_size="${DL_BATCH:-16}" data.num_classes=8 data.image_size=512 data.num_workers=auto \
-        trainer.eval_every_n_epochs=1000 ;;
+    tests) cuda_tests ;;
+    recipes) for name in $RECIPES; do run_recipe "$name"; done ;;
+    images) images ;;
+    fast)  # issue 16's figures: ResNet-50 at 224 with each speed option, synthetic data
+      make_jpegs
+      $PY benchmarks/fast_path.py imagefolder-resnet50 --data-root "$JPEGS" --epochs 3 --reps "${REPS:-1}" ${EACH:-} \
+        trainer.batch_size="${BATCH:-256}" data.image_size="$RESNET_SIZE" data.num_workers=auto \
+        --json "$OUT/fast_path_resnet50.json" ;;
+    bench)  # trainer overhead on one GPU; the autoencoder's images/s at two batch sizes
+      $PY benchmarks/overhead.py --accelerator cuda --pairs 5 --json "$OUT/overhead_cuda.json"
+      make_data imagefolder frames-12944 12944 80
+      $PY -m gputrain bench scale autoencoder --devices 1 --batch-size 64,128 --epochs 4 --accelerator cuda \
+        --out "$OUT/scale" data.root="$D/frames-12944" data.num_workers=6 ;;
+    *) run_recipe "$part" ;;
   esac
 done
+[ -d "$OUT/checks" ] || exit 0  # only fast or bench: they printed their own figures
+$PY scripts/gpu_checklist.py table "$OUT" | tee "$OUT/checklist.md"
+verdict=${PIPESTATUS[0]}
+exit $((verdict || UNRECORDED))

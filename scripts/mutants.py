@@ -1,7 +1,7 @@
 """Plant each known fault in a copy of the repository and check that a fast test catches it.
 
-``make mutants`` runs this. For every fault in :data:`FAULTS` it copies ``src/``, ``tests/`` and
-``pyproject.toml`` to a temporary folder, applies the fault (exact text replacements in one file),
+``make mutants`` runs this. For every fault in :data:`FAULTS` it copies ``src/``, ``tests/``, ``scripts/``
+and ``pyproject.toml`` to a temporary folder, applies the fault (exact text replacements in one file),
 runs the few fast tests chosen to catch it with ``PYTHONPATH`` pointing at the copy, and prints a
 table: fault, the first test that failed, seconds. It exits 1 when a fault survives (every chosen
 test passed), when a run times out, when the chosen tests fail without any fault (the baseline), or
@@ -40,6 +40,7 @@ RANGES = "tests/unit/test_config_ranges.py"
 DOWNLOAD = "tests/e2e/test_download.py"
 REPORT = "tests/unit/test_report.py"
 UNITS = "tests/unit/test_units.py"
+CHECKLIST = "tests/unit/test_gpu_checklist.py"
 
 
 @dataclass(frozen=True)
@@ -801,6 +802,13 @@ FAULTS: tuple[Fault, ...] = (
     Fault("[31] 16-bit PNGs are cut to 8 bits", "src/gputrain/data/images.py",
           (('decode_image(data, mode="RGB", output_dtype="auto")', 'decode_image(data, mode="RGB")'),),
           ("tests/unit/test_decode_torchcodec.py::test_hand_made_files_decode_to_the_pixels_torchvision_gave",)),
+    # -- issue 31: the GPU checklist's verdicts (scripts/gpu_checklist.py)
+    Fault("[31] the GPU checklist takes a NaN loss (written as null) for a finite one", "scripts/gpu_checklist.py",
+          (("isinstance(v, (int, float)) and math.isfinite(v)", "v is None or math.isfinite(v)"),),
+          (f"{CHECKLIST}::test_a_finished_run_passes_and_a_nan_loss_fails_the_checklist_naming_the_recipe",)),
+    Fault("[31] the GPU checklist passes CUDA tests that were all skipped", "scripts/gpu_checklist.py",
+          (('    if not outcomes["passed"]:', '    if False:'),),
+          (f"{CHECKLIST}::test_the_cuda_tests_fail_when_one_fails_or_none_ran",)),
 )
 
 
@@ -822,10 +830,11 @@ def check_patterns(faults: tuple[Fault, ...]) -> list[str]:
 
 
 def make_copy(parent: Path) -> Path:
-    """``src/``, ``tests/`` and ``pyproject.toml`` (pytest's options) under ``parent``."""
+    """``src/``, ``tests/``, ``scripts/`` (the GPU checklist's verdicts) and ``pyproject.toml`` (pytest's options)."""
     ignore = shutil.ignore_patterns("__pycache__", "*.egg-info", ".pytest_cache")
     shutil.copytree(ROOT / "src", parent / "src", ignore=ignore)
     shutil.copytree(ROOT / "tests", parent / "tests", ignore=ignore)
+    shutil.copytree(ROOT / "scripts", parent / "scripts", ignore=ignore)
     shutil.copy2(ROOT / "pyproject.toml", parent / "pyproject.toml")
     return parent
 

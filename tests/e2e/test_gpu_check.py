@@ -1,0 +1,76 @@
+"""``scripts/gpu_check.sh`` runs its whole checklist on a CPU (GPU_ACC=cpu, tiny sizes) and prints one table.
+
+Every built-in recipe trains for real (one epoch on a few generated images), as does ``gputrain bench throughput``;
+the CUDA-only checks say "skipped: no GPU". A recipe made to diverge (a huge learning rate through GPU_ARGS) ends
+with exit 3, and the checklist then fails and names it. The verdicts themselves are tested in
+``tests/unit/test_gpu_checklist.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = {"GPU_ACC": "cpu", "EPOCHS": "1", "WORKERS": "0", "FRAMES_COUNT": "24", "CIFAR_COUNT": "60", "PER_CLASS": "4",
+        "RESNET_SIZE": "32", "ADE_COUNT": "10", "ADE_SIZE": "64", "COCO_COUNT": "10", "COCO_SIZE": "64",
+        "COCO_MIN": "64", "COCO_MAX": "64", "MP_COUNT": "20", "MP_SIZE": "32", "BATCH": "8"}
+"""Sizes that run the checklist in about two minutes on 2 CPU cores."""
+
+
+def _gpu_check(tmp: Path, *parts: str, **env: str) -> tuple[subprocess.CompletedProcess[str], Path]:
+    out = tmp / "out"
+    env = {**os.environ, **TINY, "PYTHON": sys.executable, "OUT": str(out), "GPU_DATA": str(tmp / "data"),
+           "GPU_RUNS": str(tmp / "runs"), "OMP_NUM_THREADS": "1", **env}
+    done = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), *parts], capture_output=True, text=True,
+                          env=env, timeout=900)
+    return done, out
+
+
+def _table(stdout: str) -> dict[str, str]:
+    """The rows of the table the script printed last, by check name."""
+    start = stdout.rindex("| check | setting |")
+    return {line.split(" | ")[0].removeprefix("| "): line for line in stdout[start:].splitlines()[2:]
+            if line.startswith("| ")}
+
+
+def test_the_whole_checklist_runs_on_a_cpu_and_prints_one_table(tmp_path):
+    done, out = _gpu_check(tmp_path)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = _table(done.stdout)
+    recipes = sorted(p.stem for p in (ROOT / "src" / "gputrain" / "recipes").glob("*.yaml"))
+    names = list(rows)
+    assert names == ["CUDA tests", "autoencoder", "cifar10-resnet18", "imagefolder-resnet50", "resnet50-model-parallel",
+                     "ade20k-deeplabv3plus", "coco-maskrcnn", "ResNet-50 images/s, JPEGs decoded in the workers",
+                     "ResNet-50 images/s, JPEGs decoded on the GPU"]
+    assert sorted(names[1:7]) == recipes  # every built-in recipe, the cheapest first
+    for name in recipes:
+        assert "| finite, last " in rows[name] and rows[name].endswith("| pass |"), rows[name]
+        assert "precision=32" in rows[name] and "device=cpu" in rows[name]
+    assert rows["CUDA tests"].endswith("| skipped: no GPU (GPU_ACC=cpu) |")
+    assert rows["ResNet-50 images/s, JPEGs decoded in the workers"].endswith("| pass |")
+    assert " real / " in rows["ResNet-50 images/s, JPEGs decoded in the workers"]
+    assert rows["ResNet-50 images/s, JPEGs decoded on the GPU"].endswith("| skipped: no GPU (nvJPEG decoding needs CUDA) |")
+    # Every figure is JSON under $OUT; the table is saved beside them.
+    checks = [json.loads(p.read_text()) for p in (out / "checks").glob("*.json")]
+    assert sorted(c["name"] for c in checks) == sorted(names)
+    images = next(c for c in checks if c["name"] == "ResNet-50 images/s, JPEGs decoded in the workers")
+    assert images["images_per_s"] > 0 and images["synthetic_images_per_s"] > 0 and images["peak_memory_bytes"] > 0
+    assert "| coco-maskrcnn |" in (out / "checklist.md").read_text()
+
+
+def test_a_diverging_recipe_fails_the_checklist_and_the_table_names_it(tmp_path):
+    done, _ = _gpu_check(tmp_path, "cifar10-resnet18", EPOCHS="2", CIFAR_COUNT="64",
+                           GPU_ARGS="optim.lr=100 trainer.batch_size=16 model.kwargs.cifar_stem=false")
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = _table(done.stdout)
+    assert "| NaN/inf |" in rows["cifar10-resnet18"]
+    assert "**FAIL**: exit 3 (diverged: NaN/inf): gputrain: error: the weights became NaN/inf" in rows["cifar10-resnet18"]
+    assert "1 check(s): 0 passed, 1 failed, 0 skipped" in done.stdout

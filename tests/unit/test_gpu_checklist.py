@@ -1,0 +1,101 @@
+"""The GPU checklist's verdicts (``scripts/gpu_checklist.py``), on the files real runs and real pytest runs write.
+
+A finished run passes and its row gives its loss, images/s and peak memory; a run whose metrics.jsonl holds a
+NaN loss (written as ``null``), or that ended with exit 3, fails and its row names the recipe; the CUDA tests
+fail when one fails or when none ran (every one skipped: torch saw no GPU). ``tests/e2e/test_gpu_check.py``
+runs the whole ``scripts/gpu_check.sh`` on a CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from autoencoder_runs import _train
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "gpu_checklist.py"
+
+
+def _checklist(*args: object) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, str(SCRIPT), *map(str, args)], capture_output=True, text=True, timeout=60)
+
+
+def _row(table: str, name: str) -> str:
+    return next(line for line in table.splitlines() if line.startswith(f"| {name} |"))
+
+
+def test_a_finished_run_passes_and_a_nan_loss_fails_the_checklist_naming_the_recipe(tmp_path):
+    """Planted fault (make mutants): a loss written as null (NaN) counted as finite."""
+    run = tmp_path / "run"
+    _train(str(run), "single", 1, batch_size=16)
+    out = tmp_path / "out"
+    assert _checklist("recipe", "autoencoder", run, "--out", out, "--setting", "64 images").returncode == 0
+    done = _checklist("table", out)
+    assert done.returncode == 0, done.stdout
+    row = _row(done.stdout, "autoencoder")
+    summary = json.loads((run / "summary.json").read_text())
+    assert f"finite, last {summary['final']['train/loss']:.3g}" in row and row.endswith("| pass |")
+    assert "64 images; precision=32 batch=16 epochs=2 device=cpu" in row
+    assert f"| {summary['peak_memory_bytes'] / 2**30:.1f} |" in row
+    assert "1 check(s): 1 passed, 0 failed, 0 skipped" in done.stdout
+
+    # The same run with the last logged loss made NaN, as gputrain writes it (null), recorded as another recipe.
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    records[-1]["train/loss"] = None
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    _checklist("recipe", "cifar10-resnet18", run, "--out", out)
+    done = _checklist("table", out)
+    assert done.returncode == 1
+    assert "| NaN/inf |" in _row(done.stdout, "cifar10-resnet18")
+    assert "**FAIL**: a logged loss is NaN/inf" in _row(done.stdout, "cifar10-resnet18")
+    assert _row(done.stdout, "autoencoder").endswith("| pass |")
+    assert "2 check(s): 1 passed, 1 failed, 0 skipped" in done.stdout
+
+
+def test_a_run_that_exits_non_zero_fails_with_its_error_line_and_a_rerun_replaces_its_row(tmp_path):
+    run = tmp_path / "run"
+    _train(str(run), "single", 1, batch_size=16)
+    log = tmp_path / "log"
+    log.write_text("epoch 1: train/loss=4.9e+07\ngputrain: error: the weights became NaN/inf at epoch 2 step 8\n")
+    first, second = tmp_path / "first", tmp_path / "second"
+    _checklist("recipe", "coco-maskrcnn", run, "--out", first, "--exit-code", 3, "--log", log)
+    _checklist("mark", "CUDA tests", "skipped", "--why", "no GPU", "--out", first)
+    done = _checklist("table", first)
+    assert done.returncode == 1
+    assert ("| NaN/inf |" in _row(done.stdout, "coco-maskrcnn") and "**FAIL**: exit 3 (diverged: NaN/inf): gputrain: "
+            "error: the weights became NaN/inf at epoch 2 step 8 |" in _row(done.stdout, "coco-maskrcnn"))
+    assert _row(done.stdout, "CUDA tests").endswith("| skipped: no GPU |")
+    # A partial rerun in another command's folder: the table of both keeps the newest row of each check.
+    _checklist("recipe", "coco-maskrcnn", run, "--out", second)
+    done = _checklist("table", first, second)
+    assert done.returncode == 0 and _row(done.stdout, "coco-maskrcnn").endswith("| pass |")
+    assert _checklist("table", tmp_path / "nothing").returncode == 1  # no check at all is not a pass
+
+
+def _pytest_report(folder: Path, body: str) -> tuple[Path, int]:
+    folder.mkdir()
+    (folder / "pytest.ini").write_text("[pytest]\n")
+    (folder / "test_gpu.py").write_text("import pytest\n\n" + body)
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--junitxml",
+                           str(folder / "report.xml"), str(folder)], cwd=folder, capture_output=True, timeout=120)
+    return folder / "report.xml", done.returncode
+
+
+def test_the_cuda_tests_fail_when_one_fails_or_none_ran(tmp_path):
+    """Planted fault (make mutants): every CUDA test skipped (torch saw no GPU) counted as a pass."""
+    skip = "@pytest.mark.skip(reason='needs 2 GPUs')\ndef test_two():\n    pass\n"
+    cases = {
+        "passed": ("def test_one():\n    pass\n\n" + skip, "| pass: 1 passed, 1 skipped |"),
+        "failed": ("def test_one():\n    assert False\n\n" + skip,
+                   "| **FAIL**: 1 failed, 1 skipped: test_gpu::test_one |"),
+        "none_ran": (skip, "| **FAIL**: 1 skipped: no CUDA test ran (does torch see the GPU?) |"),
+    }
+    for case, (body, result) in cases.items():
+        report, code = _pytest_report(tmp_path / case, body)
+        out = tmp_path / f"out_{case}"
+        _checklist("tests", report, "--exit-code", code, "--out", out)
+        done = _checklist("table", out)
+        assert done.returncode == (0 if case == "passed" else 1), case
+        assert _row(done.stdout, "CUDA tests").endswith(result), done.stdout
