@@ -41,6 +41,7 @@ DOWNLOAD = "tests/e2e/test_download.py"
 REPORT = "tests/unit/test_report.py"
 UNITS = "tests/unit/test_units.py"
 CHECKLIST = "tests/unit/test_gpu_checklist.py"
+UINT8 = "tests/unit/test_device_normalize_tasks.py"
 
 
 @dataclass(frozen=True)
@@ -378,14 +379,15 @@ FAULTS: tuple[Fault, ...] = (
           ("tests/unit/test_checkpoint_store.py::test_with_torchs_record_crcs_off_the_whole_file_is_checksummed",)),
     # -- issue 16 item 2: uint8 batches normalized on the device --------------------------------------------
     Fault("the device scales uint8 pixels by its own arithmetic", "src/gputrain/data/device_normalize.py",
-          (("return cast(Tensor, _normalizer(self.mean, self.std)(moved))",
-            "mean, std = (torch.tensor(v, device=device).view(-1, 1, 1) for v in (self.mean, self.std))\n"
-            "        return (moved.float() / 255 - mean) / std"),),
-          ("tests/unit/test_device_normalize.py::test_a_batch_normalized_on_the_device_equals_the_one_normalized_in_workers",)),
-    Fault("normalize_on_device=auto turns on without a GPU", "src/gputrain/tasks/classification.py",
+          (("return normalize_transform(mean, std)  # type: ignore[return-value]",
+            "return lambda x: (x.float() / 255 - torch.tensor(mean).view(-1, 1, 1)) / torch.tensor(std).view(-1, 1, 1)"),),
+          ("tests/unit/test_device_normalize.py::test_a_batch_normalized_on_the_device_equals_the_one_normalized_in_workers",
+           f"{UINT8}::test_segmentation_images_made_float_on_the_device_equal_the_workers_and_masks_are_unchanged")),
+    Fault("normalize_on_device=auto turns on without a GPU", "src/gputrain/data/device_normalize.py",
           (("        return cfg.trainer.accelerator != \"cpu\" and torch.cuda.is_available()",
             "        return cfg.trainer.accelerator != \"cpu\" or torch.cuda.is_available()"),),
-          ("tests/unit/test_device_normalize.py::test_auto_keeps_the_usual_path_on_a_cpu",)),
+          ("tests/unit/test_device_normalize.py::test_auto_keeps_the_usual_path_on_a_cpu",
+           f"{UINT8}::test_auto_keeps_the_usual_path_on_a_cpu")),
     Fault("a COCO task built without a run folder writes its splits where it runs", "src/gputrain/tasks/detection.py",
           (('split_dir = Path(tempfile.mkdtemp(prefix="gputrain-coco-splits-"))', 'split_dir = Path("splits")'),),
           ("tests/unit/test_data_coco.py::test_a_coco_task_built_without_a_run_folder_writes_nothing_where_it_runs",)),
@@ -395,6 +397,32 @@ FAULTS: tuple[Fault, ...] = (
     Fault("training images are normalized twice", "src/gputrain/tasks/classification.py",
           (("normalize=not normalize_on_device(cfg))", "normalize=True)"),),
           ("tests/unit/test_device_normalize.py::test_a_batch_normalized_on_the_device_equals_the_one_normalized_in_workers",)),
+    # -- issue 31: uint8 batches for every task ------------------------------------------------------------
+    Fault("segmentation images are normalized in the workers and again on the device", "src/gputrain/tasks/segmentation.py",
+          (("normalize=not on_device))", "normalize=True))"),),
+          (f"{UINT8}::test_segmentation_images_made_float_on_the_device_equal_the_workers_and_masks_are_unchanged",)),
+    Fault("segmentation's uint8 images are scaled on the device but not normalized", "src/gputrain/tasks/segmentation.py",
+          (("task.train_collate = PixelCollate(IMAGENET_MEAN, IMAGENET_STD)", "task.train_collate = PixelCollate()"),),
+          (f"{UINT8}::test_training_with_uint8_batches_gives_the_weights_of_the_usual_run[ade20k-deeplabv3plus]",)),
+    Fault("the device scales pixels as ToDtype does (x * (1/255)), not as the workers divide", "src/gputrain/data/device_normalize.py",
+          (("        return to_unit_float\n", "        return lambda x: x.to(torch.float32).mul_(1.0 / 255)\n"),),
+          (f"{UINT8}::test_detection_images_are_divided_by_255_on_the_device_as_in_the_workers",
+           f"{UINT8}::test_the_autoencoders_one_uint8_batch_is_both_its_inputs_and_its_targets")),
+    Fault("detection's uint8 images reach the model undivided", "src/gputrain/data/device_normalize.py",
+          (("        return to_unit_float\n", "        return lambda x: x.to(torch.float32)\n"),),
+          (f"{UINT8}::test_training_with_uint8_batches_gives_the_weights_of_the_usual_run[coco-maskrcnn]",)),
+    Fault("the autoencoder's inputs and targets are made float twice", "src/gputrain/data/device_normalize.py",
+          (("        if key not in self._made:", "        if True:"),),
+          (f"{UINT8}::test_the_autoencoders_one_uint8_batch_is_both_its_inputs_and_its_targets",)),
+    Fault("detection's workers still make their images float", "src/gputrain/tasks/detection.py",
+          (("train=True, uint8=on_device)", "train=True, uint8=False)"),),
+          (f"{UINT8}::test_detection_images_are_divided_by_255_on_the_device_as_in_the_workers",)),
+    Fault("the autoencoder's uint8 batch never becomes a PixelBatch", "src/gputrain/data/device_normalize.py",
+          (("        if alone:\n            return PixelBatch(batch, self.mean, self.std)\n", ""),),
+          (f"{UINT8}::test_the_autoencoders_one_uint8_batch_is_both_its_inputs_and_its_targets",)),
+    Fault("a task of your own ignores data.normalize_on_device=true silently", "src/gputrain/config/checks.py",
+          (("if cfg.data.normalize_on_device is True and cfg.task not in UINT8_TASKS:", "if False:"),),
+          (f"{UINT8}::test_a_task_of_your_own_refuses_true_in_one_line",)),
     Fault("segmentation averages its loss over the counted pixels of each micro-batch", "src/gputrain/tasks/segmentation.py",
           (("return (per_pixel.flatten(1).sum(1) / counted.clamp(min=1)).mean()",
             "return per_pixel.sum() / counted.sum()"),),

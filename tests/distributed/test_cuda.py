@@ -153,3 +153,18 @@ def test_uint8_batches_pinned_and_normalized_on_the_gpu_equal_the_cpu_normalizat
     gpu = batch.to_device(CUDA0, non_blocking=True)
     assert gpu.device == CUDA0 and gpu.dtype == torch.float32
     assert torch.equal(gpu.cpu(), batch.to_device(torch.device("cpu")))  # IEEE mul, sub, div: the same bits
+
+
+def test_uint8_images_divided_by_255_on_the_gpu_equal_the_cpus_division():
+    # CUDA divides by a Python number as a multiplication by its reciprocal; to_unit_float divides by a tensor.
+    from gputrain.data.device_normalize import PixelBatch
+    from gputrain.data.images import to_unit_float
+
+    every = torch.arange(256, dtype=torch.uint8).view(1, 16, 16).expand(3, 16, 16).contiguous()
+    assert torch.equal(to_unit_float(every.to(CUDA0)).cpu(), to_unit_float(every))
+    sizes = [(3, 20, 30), (3, 17, 11)]  # detection: a list of images of different sizes
+    images = [torch.randint(0, 256, s, dtype=torch.uint8, generator=torch.Generator().manual_seed(0)) for s in sizes]
+    batch = PixelBatch(images).pin_memory()
+    assert all(p.is_pinned() for p in batch.pixels)
+    gpu = batch.to_device(CUDA0, non_blocking=True)
+    assert all(torch.equal(g.cpu(), to_unit_float(c)) for g, c in zip(gpu, images, strict=True))

@@ -10,7 +10,7 @@ What ``auto`` means (docs/performance.md): channels-last memory format and cuDNN
 whose images have one shape per batch (not detection); fused optimizer kernels where the parameters live on a
 GPU; bf16 autocast on GPUs with native bfloat16 (``mixed`` takes float16 with loss scaling on older GPUs and
 float32 on a CPU); host memory kept for reuse wherever the C library is glibc; background checkpoints where the
-model trains on a GPU; ``uint8`` batches normalized on the device for built-in classification on a GPU;
+model trains on a GPU; ``uint8`` batches made float on the device for every built-in task on a GPU;
 ``cores // local processes`` loader workers. ``torch.compile`` is never chosen by ``auto``.
 """
 

@@ -48,9 +48,10 @@ class DataConfig:
     augment: bool = True
     """Random training augmentation where the task has one."""
     normalize_on_device: bool | str = "auto"
-    """Loader workers hand over ``uint8`` training images and the training device scales and normalizes them: a
-    quarter of the bytes through shared memory, pinning and the host-to-device copy. ``auto``: on when training on
-    a GPU. torchvision's own ops on the same pixels (docs/data.md). Classification (class folders, CIFAR-10)."""
+    """Loader workers hand over ``uint8`` training images and the training device makes them float (scaled and
+    normalized, or divided by 255 for the autoencoder and detection): a quarter of the bytes through shared memory,
+    pinning and the host-to-device copy. ``auto``: on when training on a GPU. The workers' own ops on the same pixels
+    (docs/data.md). Every built-in task; ``true`` with a task of your own is refused."""
     decode_on_device: bool = False
     """Loader workers only read the training images' bytes; the training device decodes (nvJPEG on CUDA) and
     augments them, with each sample's own seed: for machines with few CPU cores per GPU. Class folders only

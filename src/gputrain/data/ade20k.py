@@ -43,7 +43,7 @@ JointTransform = Callable[[tv_tensors.Image, tv_tensors.Mask], tuple[Any, Any]]
 
 
 def segmentation_transform(
-    crop_size: int | None, *, train: bool, scale: tuple[float, float] = (0.5, 2.0)
+    crop_size: int | None, *, train: bool, scale: tuple[float, float] = (0.5, 2.0), normalize: bool = True
 ) -> v2.Compose:
     """One torchvision v2 pipeline applied jointly to ``(Image, Mask)``.
 
@@ -51,7 +51,9 @@ def segmentation_transform(
     ``crop_size`` (padding the image with 0 and the mask with the ignore index), random horizontal flip.
     Evaluation: resize the shorter side to ``crop_size`` and centre-crop, for fixed-size batches (for
     exact full-resolution metrics pass ``crop_size=None`` and use batch size 1). Both end with float
-    conversion and ImageNet normalization; v2 resizes masks with nearest-neighbour, never blending labels.
+    conversion and ImageNet normalization, or keep the image ``uint8`` with ``normalize=False``
+    (data.normalize_on_device: the training device runs those two steps); v2 resizes masks with
+    nearest-neighbour, never blending labels.
     """
     steps: list[Any] = []
     if crop_size is not None and train:
@@ -65,10 +67,11 @@ def segmentation_transform(
         ]
     elif crop_size is not None:
         steps = [v2.Resize(crop_size, antialias=True), v2.CenterCrop(crop_size)]
-    steps += [
-        v2.ToDtype({tv_tensors.Image: torch.float32, "others": None}, scale=True),
-        v2.Normalize(list(IMAGENET_MEAN), list(IMAGENET_STD)),
-    ]
+    if normalize:
+        steps += [
+            v2.ToDtype({tv_tensors.Image: torch.float32, "others": None}, scale=True),
+            v2.Normalize(list(IMAGENET_MEAN), list(IMAGENET_STD)),
+        ]
     return v2.Compose(steps)
 
 
@@ -78,7 +81,8 @@ def reduce_zero_label(raw: Tensor) -> Tensor:
 
 
 class ADE20K(Dataset[tuple[Tensor, Tensor]]):
-    """``(image float (3, H, W) normalized, mask int64 (H, W))`` pairs of one split of an ADE20K-layout root.
+    """``(image float (3, H, W) normalized, mask int64 (H, W))`` pairs of one split of an ADE20K-layout root
+    (the image ``uint8`` where ``transform`` does not normalize).
 
     ``num_classes`` is the number of real classes (150 for ADE20K). Missing annotations are found here;
     size mismatches and out-of-range labels when a sample is read, or all at once by :meth:`validate`.

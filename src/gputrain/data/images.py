@@ -129,6 +129,18 @@ def normalize_transform(mean: tuple[float, ...], std: tuple[float, ...]) -> Call
     return v2.Compose([v2.ToDtype(torch.float32, scale=True), v2.Normalize(list(mean), list(std))])
 
 
+def to_unit_float(pixels: Tensor) -> Tensor:
+    """``uint8`` pixels as float32 ``x / 255``: what image folders (the autoencoder) and COCO images feed a model.
+
+    The divisor is a tensor on the pixels' own device because CUDA divides by a Python number as a multiplication
+    by its reciprocal, which differs from the CPU's true division in the last bit of some values; so pixels made
+    float on a GPU (``data.normalize_on_device``) are the worker's bit for bit. (torchvision's ``ToDtype(scale=True)``
+    multiplies by 1/255, which differs from ``x / 255`` in 126 of the 256 values: not used here, so that these
+    loaders keep the values they always gave.)
+    """
+    return pixels.to(torch.float32).div_(torch.full((), 255.0, device=pixels.device))
+
+
 def seeded_split(n: int, val_fraction: float, seed: int) -> tuple[list[int], list[int]]:
     """Split ``range(n)`` into sorted, disjoint ``(train_idx, val_idx)``; depends on ``(n, val_fraction, seed)`` only.
 

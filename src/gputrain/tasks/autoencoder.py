@@ -10,6 +10,7 @@ import torch.nn.functional as F
 import torchvision.transforms.v2.functional as TF
 
 from gputrain.config import RunConfig
+from gputrain.data.device_normalize import PixelCollate, normalize_on_device
 from gputrain.data.imagefolder import ImageFiles, list_images
 from gputrain.data.images import seeded_split
 from gputrain.models import build_configured_model
@@ -63,8 +64,11 @@ def build(cfg: RunConfig) -> TaskSpec:
         train_files, val_files = [files[i] for i in train_idx], [files[i] for i in val_idx]
     size = cfg.data.image_size
     model = build_configured_model(cfg.model, "conv_autoencoder")
+    task, on_device = ReconstructionTask(), normalize_on_device(cfg)
+    if on_device:  # one uint8 batch, made float once on the device: the inputs and the targets
+        task.train_collate = PixelCollate()
     return TaskSpec(
-        task=ReconstructionTask(), model=model, train_data=ImageFiles(train_files, size),
+        task=task, model=model, train_data=ImageFiles(train_files, size, uint8=on_device),
         val_data=ImageFiles(val_files, size) if val_files else None,
         example_input=ImageFiles(train_files[:1], size)[0].unsqueeze(0),
     )

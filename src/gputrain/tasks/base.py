@@ -28,9 +28,20 @@ class Task:
     def __init__(self, criterion: Callable[..., torch.Tensor] | None = None) -> None:
         self.criterion = criterion
 
+    train_collate: Callable[[list[Any]], Any] | None = None
+    """Set where training images are made on the device: decoded there (data.decode_on_device: collates their
+    bytes) or made float there (data.normalize_on_device: collates ``uint8`` pixels)."""
+
     def collate_fn(self) -> Callable[[list[Any]], Any] | None:
         """The DataLoader collate function; None means torch's default."""
-        return None
+        return self.train_collate
+
+    @property
+    def normalizes_on_device(self) -> bool:
+        """The training batches cross from the loader's workers as ``uint8`` (data.normalize_on_device)."""
+        from gputrain.data.device_normalize import PixelCollate
+
+        return isinstance(self.train_collate, PixelCollate)
 
     def split_batch(self, batch: Any) -> tuple[Any, Any]:
         inputs, targets = batch[0], batch[1]

@@ -13,6 +13,7 @@ from torchvision.transforms import v2
 
 from gputrain.config import RunConfig
 from gputrain.data.classfolder import classification_transform
+from gputrain.data.device_normalize import PixelCollate, normalize_on_device
 from gputrain.data.images import IMAGENET_MEAN, IMAGENET_STD, normalize_transform
 from gputrain.metrics.base import Evaluator
 from gputrain.metrics.classification import ClassificationEvaluator
@@ -29,19 +30,6 @@ class ClassificationTask(Task):
                  mean: tuple[float, ...] = IMAGENET_MEAN, std: tuple[float, ...] = IMAGENET_STD) -> None:
         super().__init__(F.cross_entropy)
         self.num_classes, self.class_names, self.mean, self.std = num_classes, class_names, mean, std
-
-    train_collate: Callable[[list[Any]], Any] | None = None
-    """Set where training images are decoded (data.decode_on_device: collates their bytes) or normalized
-    (data.normalize_on_device: collates ``uint8`` pixels) on the device."""
-
-    @property
-    def normalizes_on_device(self) -> bool:
-        from gputrain.data.device_normalize import PixelCollate
-
-        return isinstance(self.train_collate, PixelCollate)
-
-    def collate_fn(self) -> Callable[[list[Any]], Any] | None:
-        return self.train_collate
 
     def evaluator(self) -> Evaluator:
         return ClassificationEvaluator(self.num_classes)
@@ -146,16 +134,6 @@ def on_device_decoding(cfg: RunConfig) -> bool:
     return cfg.data.decode_on_device and not cfg.data.synthetic
 
 
-def normalize_on_device(cfg: RunConfig) -> bool:
-    """data.normalize_on_device with ``auto`` resolved (on when the run trains on a GPU); off where images are
-    decoded on the device, whose batches are made there anyway."""
-    if on_device_decoding(cfg):
-        return False
-    if cfg.data.normalize_on_device == "auto":
-        return cfg.trainer.accelerator != "cpu" and torch.cuda.is_available()
-    return bool(cfg.data.normalize_on_device)
-
-
 def build(cfg: RunConfig) -> TaskSpec:
     if cfg.data.format not in ("cifar10", "classfolder"):
         raise ValueError(f"data.format={cfg.data.format!r}: classification reads cifar10 or classfolder")
@@ -172,8 +150,6 @@ def build(cfg: RunConfig) -> TaskSpec:
         task.train_collate = EncodedCollate(classification_transform(cfg.data.image_size or 224,
                                                                      train=cfg.data.augment))
     elif normalize_on_device(cfg):
-        from gputrain.data.device_normalize import PixelCollate
-
         task.train_collate = PixelCollate(mean, std)
     return TaskSpec(task=task, model=model, train_data=train, val_data=val,
                     example_input=val[0][0].unsqueeze(0))

@@ -16,6 +16,7 @@ from torch import nn
 
 from gputrain.config import RunConfig
 from gputrain.data.coco import COCODetection, detection_collate, load_coco, split_coco
+from gputrain.data.device_normalize import PixelCollate, normalize_on_device
 from gputrain.metrics.base import Evaluator
 from gputrain.metrics.detection import CocoEvaluator
 from gputrain.models import build_configured_model
@@ -77,7 +78,7 @@ class DetectionTask(Task):
         return f"{out / 'predictions.json'} and {out / 'overlays'}"
 
     def collate_fn(self):  # noqa: ANN201
-        return detection_collate
+        return self.train_collate or detection_collate
 
     def split_batch(self, batch: Any) -> tuple[list[torch.Tensor], list[dict[str, Any]]]:
         return batch
@@ -154,7 +155,8 @@ def eval_preprocess(image: torch.Tensor) -> torch.Tensor:
 
 def build(cfg: RunConfig) -> TaskSpec:
     train_images, train_json, val_images, val_json = _annotation_files(cfg)
-    train = COCODetection(train_images, train_json, train=True)
+    on_device = normalize_on_device(cfg)  # uint8 images; the device divides by 255, the model normalizes
+    train = COCODetection(train_images, train_json, train=True, uint8=on_device)
     val = COCODetection(val_images, val_json, train=False)
     if train.label_to_category != val.label_to_category:
         raise ValueError(f"{train_json} and {val_json} list different categories; use one category list for both")
@@ -164,5 +166,6 @@ def build(cfg: RunConfig) -> TaskSpec:
                          f"(+1 background = {num_classes}); set data.num_classes={num_classes} or 0")
     model = build_configured_model(cfg.model, "maskrcnn_resnet50_fpn", num_classes=num_classes)
     task = DetectionTask(val_json, train.label_to_category, class_names=train.class_names)
-    return TaskSpec(task=task, model=model, train_data=train,
-                    val_data=val)
+    if on_device:
+        task.train_collate = PixelCollate(collate=detection_collate)
+    return TaskSpec(task=task, model=model, train_data=train, val_data=val)

@@ -13,6 +13,7 @@ from torchvision import tv_tensors
 
 from gputrain.config import RunConfig
 from gputrain.data.ade20k import ADE20K, IGNORE_INDEX, segmentation_transform
+from gputrain.data.device_normalize import PixelCollate, normalize_on_device
 from gputrain.data.images import IMAGENET_MEAN, IMAGENET_STD
 from gputrain.metrics.base import Evaluator
 from gputrain.metrics.segmentation import SegmentationEvaluator
@@ -103,10 +104,13 @@ def for_prediction(cfg: RunConfig, *, annotations: str = "") -> tuple[Task, Call
 def build(cfg: RunConfig) -> TaskSpec:
     num_classes = cfg.data.num_classes or 150
     crop = cfg.data.image_size or None
+    on_device = normalize_on_device(cfg)  # the workers stop before float conversion; masks are as before
     train = ADE20K(cfg.data.root, split="training", num_classes=num_classes,
-                   transform=segmentation_transform(crop, train=cfg.data.augment))
+                   transform=segmentation_transform(crop, train=cfg.data.augment, normalize=not on_device))
     val = ADE20K(cfg.data.val_root or cfg.data.root, split="validation", num_classes=num_classes,
                  transform=eval_preprocess(cfg))
     model = build_configured_model(cfg.model, "deeplabv3plus", num_classes=num_classes)
-    return TaskSpec(task=SegmentationTask(num_classes), model=model, train_data=train, val_data=val,
-                    example_input=val[0][0].unsqueeze(0))
+    task = SegmentationTask(num_classes)
+    if on_device:
+        task.train_collate = PixelCollate(IMAGENET_MEAN, IMAGENET_STD)
+    return TaskSpec(task=task, model=model, train_data=train, val_data=val, example_input=val[0][0].unsqueeze(0))

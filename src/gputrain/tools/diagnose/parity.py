@@ -121,7 +121,9 @@ def build_from_config(cfg: RunConfig) -> Any:
     """A recipe's task (model, data, task), as ``gputrain train`` builds it."""
     from gputrain.tasks import build_task
 
-    return build_task(cfg)
+    # Parity casts each sample's floats to its dtype (float64) as it is read; uint8 pixels made float32 on the
+    # device would miss that cast, so the workers make them float here, as data.normalize_on_device=false does.
+    return build_task(dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, normalize_on_device=False)))
 
 
 def _trainer_options(mode: Mode, global_batch: int, steps: int, epochs: int, out: str, accelerator: str,
