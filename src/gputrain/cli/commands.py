@@ -96,7 +96,9 @@ def cmd_train(args: argparse.Namespace, argv: Sequence[str]) -> int:
     if is_worker():  # the launcher checked and resolved everything
         _run_train(cfg)
         return EXIT_OK
+    planned = _plan_strategy(cfg, args) if cfg.trainer.strategy == "auto" else []
     cfg, extra = _prepare(cfg, args)
+    extra = [*planned, *extra]
     t = cfg.trainer
     if t.resume and t.resume != "auto":
         from gputrain.checkpoint.load import load_checkpoint
@@ -117,6 +119,37 @@ def cmd_train(args: argparse.Namespace, argv: Sequence[str]) -> int:
         extra.append(f"trainer.out={_quote(t.out)}")  # the workers must not pick another timestamp
     t.overwrite = False
     return _launch_or_run(cfg, [*argv, *extra], _run_train)
+
+
+def _plan_strategy(cfg: RunConfig, args: argparse.Namespace) -> list[str]:
+    """``--strategy auto``: plan here, before any worker, and hand the workers the chosen plan's settings."""
+    if cfg.trainer.resume:
+        raise ValueError("--strategy auto plans a new run; to continue one, give its strategy "
+                         "(config.yaml in the run folder records the one auto chose)")
+    from gputrain.tools.plan.command import apply_plan, auto_overrides
+
+    overrides, line = auto_overrides(cfg, devices=cfg.trainer.devices, nnodes=cfg.launch.nnodes,
+                                     budget_text=getattr(args, "memory_budget", "") or "")
+    print(line, flush=True)
+    apply_plan(cfg, overrides)
+    return overrides
+
+
+def cmd_plan(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    from gputrain.cli.parser import common_overrides
+
+    flags = [f"trainer.batch_size={args.batch_size}"] if args.batch_size else []
+    flags += [f"trainer.precision={args.precision}"] if args.precision else []
+    cfg = load_config(args.recipe, [*common_overrides(args), *flags, *args.overrides])
+    if args.memory_budget:
+        from gputrain.tools.plan.budget import parse_size
+
+        parse_size(args.memory_budget)  # before torch: a typo answers at once
+    preflight.check_data_paths(cfg)
+    from gputrain.tools.plan.command import cmd_plan as run
+
+    return run(cfg, recipe=args.recipe, devices=args.devices or cfg.trainer.devices, nnodes=args.nnodes,
+               budget_text=args.memory_budget, json_path=args.json)
 
 
 def _run_name(recipe: str, cfg: RunConfig) -> str:

@@ -30,7 +30,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     c = commands
     handlers = {"train": c.cmd_train, "eval": c.cmd_eval, "data make": c.cmd_data_make,
                 "bench scale": c.cmd_bench_scale, "bench throughput": c.cmd_bench_throughput,
-                "export onnx": c.cmd_export_onnx, "parity": c.cmd_parity, "doctor": c.cmd_doctor, "env": c.cmd_env,
+                "export onnx": c.cmd_export_onnx, "parity": c.cmd_parity, "doctor": c.cmd_doctor, "plan": c.cmd_plan, "env": c.cmd_env,
                 "predict": c.cmd_predict, "report": c.cmd_report}
     parser = build_parser(DESCRIPTION, EPILOG, __version__, c.TRAINING_ONLY, handlers)
     # Dotted overrides may come after flags; argparse cannot mix a nargs="*" positional with

@@ -114,12 +114,14 @@ def _run_flags(p: argparse.ArgumentParser, *, training: bool, hidden: Sequence[s
     example = "optim.lr=0.01 'trainer.loggers=[csv]'" if training else "trainer.eval_batch_size=64"
     p.add_argument("overrides", nargs="*", help=f"dotted config overrides, e.g. {example}")
     p.add_argument("--devices", type=int, help="processes on this node (one per GPU; ddp)")
-    p.add_argument("--strategy", help="single, ddp, dp, ... (trainer.strategy)")
+    p.add_argument("--strategy", help="single, ddp, dp, ... (trainer.strategy); train: auto plans first (gputrain plan)")
     add_common_flags(p)
     p.add_argument("--precision", choices=["auto", "mixed", "32", "16-mixed", "bf16-mixed"],
                    help="a recipe's 16-bit default falls back to 32 on a CPU; this flag is obeyed")
     p.add_argument("--batch-size", type=int, help="per device; the global batch is printed at start")
     if training:
+        p.add_argument("--memory-budget", default="", help="with --strategy auto: bytes per device (12GiB, 800MB); "
+                                                           "default: the GPU's free memory, or the available RAM")
         p.add_argument("--out", help="run folder (default: a new runs/RECIPE-DATE-TIME; runs/latest points to it); "
                                      "a non-empty one needs --resume auto or --overwrite")
         p.add_argument("--overwrite", action="store_const", const=True, default=None,
@@ -262,6 +264,22 @@ def _add_tools(sub: Any, handlers: Mapping[str, Handler]) -> None:
     p.add_argument("--json", action="store_true", help="machine-readable report")
     add_common_flags(p)
     p.set_defaults(func=handlers["doctor"])
+
+    p = sub.add_parser("plan", help="predict memory per device and step time of every way to run a recipe, and choose",
+                       description="Predict, before the run, the peak memory of each device and the step time of "
+                                   "single, ddp, fsdp, pipeline (gpipe, 1f1b) and model_parallel for the recipe as "
+                                   "configured, and choose the fastest that fits (docs/plan.md).")
+    p.add_argument("recipe", help="built-in recipe or a YAML file")
+    p.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. data.image_size=1024")
+    p.add_argument("--devices", type=int, default=None, help="devices per node (default: the recipe's trainer.devices)")
+    p.add_argument("--nnodes", type=int, default=1, help="nodes (ddp and fsdp plans only)")
+    p.add_argument("--batch-size", type=int, help="trainer.batch_size")
+    p.add_argument("--precision", choices=["auto", "mixed", "32", "16-mixed", "bf16-mixed"])
+    p.add_argument("--memory-budget", default="", help="bytes per device: 12GiB, 800MB, 1e9 is not; default: the "
+                                                       "GPU's free memory, or the available RAM on a CPU")
+    p.add_argument("--json", default="", metavar="FILE", help="also write the plans as JSON")
+    add_common_flags(p)
+    p.set_defaults(func=handlers["plan"])
 
     p = sub.add_parser("env", help="versions, devices, topology, distributed variables and backends")
     p.add_argument("--json", action="store_true", help="machine-readable output")

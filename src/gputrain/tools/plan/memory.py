@@ -1,26 +1,34 @@
 """Predicted tensor memory of one training step on one device, counted on fake tensors.
 
-Two steps (forward, loss, backward, optimizer step) of the real model run under ``FakeTensorMode``: shapes, dtypes and the order of allocations are the run's, but no tensor
-memory is allocated, so a ResNet-50 at 1024x1024 is predicted on a laptop. The first step creates the optimizer
-state; during the second, torch's ``MemTracker`` counts the live tensors by kind and keeps the breakdown at the moment of the peak; for FSDP, ``FSDPMemTracker`` follows the sharded
-model on a fake process group of the plan's world size (torch's ``fake`` backend, no other process), so the shards
-and the all-gathered units are the ones FSDP itself allocates.
+The run's own model, loss and optimizer take two training steps under ``FakeTensorMode``: shapes, dtypes and the
+order of allocations are the run's, but no memory is allocated, so a ResNet-50 at 1024x1024 is planned on a laptop.
+The first step creates the optimizer state; during the second, torch's ``MemTracker`` counts the live tensors by
+kind and keeps the breakdown at the moment of the peak. FSDP runs under ``FSDPMemTracker`` on a fake process group
+of the plan's world size (torch's ``fake`` backend, no other process), so the shards and gathered units are the ones
+FSDP itself allocates. A pipeline stage runs its own schedule (GPipe: every forward, then every backward; 1F1B: at
+most ``stages - stage`` micro-batches in flight) on fake inputs of the shape the previous stage hands it.
 
-What this counts is tensor memory, as ``MemTracker`` measures a real step on a CPU; a CUDA allocator's rounding,
-cuDNN workspaces and the CUDA context come on top (calibrated by a real step, not here).
+This is tensor memory, as ``MemTracker`` measures a real step; a CUDA allocator's rounding, cuDNN workspaces and
+the CUDA context come on top and are calibrated by one real step (:mod:`gputrain.tools.plan.timing`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import copy
+import dataclasses
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._pytree import tree_map
 
-Batch = tuple[torch.Tensor, torch.Tensor]
+from gputrain.tools.plan.workload import Workload
+
+PARTS = ("parameters", "gradients", "optimizer", "activations", "other")
 
 
 @dataclass(frozen=True)
@@ -34,15 +42,17 @@ class StepMemory:
     activations: int
     """Saved for backward, and the backward's temporaries."""
     other: int
-    """The batch and anything else."""
+    """The batch, DDP's gradient buckets, anything else."""
 
     @property
     def peak(self) -> int:
         return self.parameters + self.gradients + self.optimizer + self.activations + self.other
 
     def as_dict(self) -> dict[str, int]:
-        return {"parameters": self.parameters, "gradients": self.gradients, "optimizer": self.optimizer,
-                "activations": self.activations, "other": self.other}
+        return {name: getattr(self, name) for name in PARTS}
+
+    def plus(self, **extra: int) -> StepMemory:
+        return dataclasses.replace(self, **{k: getattr(self, k) + v for k, v in extra.items()})
 
 
 # MemTracker's and FSDPMemTracker's kinds, as StepMemory's fields.
@@ -57,8 +67,9 @@ _KINDS = {
 }
 
 
-def _parts(snapshot: dict[Any, dict[Any, int]]) -> StepMemory:
-    totals = dict.fromkeys(("parameters", "gradients", "optimizer", "activations", "other"), 0)
+def parts_of(snapshot: dict[Any, dict[Any, int]]) -> StepMemory:
+    """A ``MemTracker`` snapshot (per device, per kind) summed into :class:`StepMemory`."""
+    totals = dict.fromkeys(PARTS, 0)
     for by_kind in snapshot.values():
         for kind, size in by_kind.items():
             name = getattr(kind, "value", kind)
@@ -67,75 +78,186 @@ def _parts(snapshot: dict[Any, dict[Any, int]]) -> StepMemory:
     return StepMemory(**totals)
 
 
-def run_steps(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch,
-              loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], steps: int) -> None:
-    for _ in range(steps):
-        inputs, targets = batch
-        loss(model(inputs), targets).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+class UnprofilableModel(ValueError):
+    """The model cannot take a step on fake tensors (an op whose output shape depends on values)."""
 
 
-def predict_step_memory(
-    build_model: Callable[[], nn.Module],
-    batch: Batch,
-    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-    build_optimizer: Callable[[Sequence[nn.Parameter]], torch.optim.Optimizer],
-    *,
-    fsdp_units: Sequence[str] | None = None,
-    world_size: int = 1,
-) -> StepMemory:
-    """The tensor memory one device holds at the peak of a training step at ``batch`` (this device's batch).
-
-    ``fsdp_units`` (module names, ``""`` for the root last) shards the model with FSDP2 over ``world_size`` ranks
-    of a fake process group; without it the model is whole, as single and DDP hold it. ``build_model`` is called
-    under the meta device; ``batch`` may be real tensors (only their shapes and dtypes are used).
-    """
+@contextmanager
+def _fake(work: Workload, model: nn.Module) -> Iterator[tuple[nn.Module, Callable[[Any], Any]]]:
+    """A fake copy of ``model`` on the run's device, and a function that fakes a batch."""
     from torch._subclasses.fake_tensor import FakeTensorMode
+
+    meta = copy.deepcopy(model).to("meta")
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        meta.to_empty(device=work.device)
+        meta.train()
+
+        def fake(batch: Any) -> Any:
+            return tree_map(lambda t: mode.from_tensor(t).to(work.device) if isinstance(t, torch.Tensor) else t, batch)
+
+        yield meta, fake
+
+
+def _guarded(what: str, run: Callable[[], StepMemory]) -> StepMemory:
+    try:
+        return run()
+    except (RuntimeError, NotImplementedError) as err:  # fake-tensor failures are RuntimeError subclasses
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise UnprofilableModel(f"{what} cannot run on fake tensors ({type(err).__name__}: {first[:160]})") from err
+
+
+def step_memory(work: Workload, batch_size: int) -> StepMemory:
+    """One whole-model training step at ``batch_size`` on one device (single, DDP's replica, model_parallel on a CPU).
+
+    A model that cannot run on fake tensors (Mask R-CNN: how many boxes survive depends on values) is measured
+    instead: one real step at ``batch_size`` on the device, counted by ``MemTracker``, said in the plan's notes.
+    """
+    try:
+        return _fake_step_memory(work, batch_size)
+    except UnprofilableModel as err:
+        work.notes.add(f"{err}; its memory is measured by real steps instead (slower to plan, same figures)")
+        return measured_step_memory(work, batch_size)
+
+
+def measured_step_memory(work: Workload, batch_size: int) -> StepMemory:
+    """A real training step of a copy of the model, counted as :func:`step_memory` counts a fake one."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    with torch.device("meta"):
-        model = build_model()
-    if fsdp_units is None:
-        with FakeTensorMode(allow_non_fake_inputs=True) as fake:
-            model.to_empty(device="cpu")
-            fake_batch = (fake.from_tensor(batch[0]), fake.from_tensor(batch[1]))
-            optimizer = build_optimizer(list(model.parameters()))
-            run_steps(model, optimizer, fake_batch, loss, steps=1)  # the optimizer state exists from here on
+    from gputrain.strategies.base import move_to_device
+
+    model = copy.deepcopy(work.model).to(work.device).train()
+    optimizer = work.optimizer(model)
+    inputs, targets = move_to_device(work.batch(batch_size), work.device)
+    with torch.random.fork_rng(devices=[work.device] if work.device.type == "cuda" else []):
+        work.train_step(model, optimizer, inputs, targets)
+        tracker = MemTracker()
+        tracker.track_external(model, optimizer)
+        with tracker:
+            work.train_step(model, optimizer, inputs, targets)
+    return parts_of(tracker.get_tracker_snapshot("peak"))
+
+
+def _fake_step_memory(work: Workload, batch_size: int) -> StepMemory:
+
+    def run() -> StepMemory:
+        from torch.distributed._tools.mem_tracker import MemTracker
+
+        with _fake(work, work.model) as (model, fake):
+            inputs, targets = fake(work.batch(batch_size))
+            optimizer = work.optimizer(model)
+            work.train_step(model, optimizer, inputs, targets)  # the optimizer state exists from here on
             tracker = MemTracker()
             tracker.track_external(model, optimizer)
             with tracker:
-                run_steps(model, optimizer, fake_batch, loss, steps=1)
-            return _parts(tracker.get_tracker_snapshot("peak"))
-    return _predict_fsdp(model, fake_batch_of=batch, loss=loss, build_optimizer=build_optimizer,
-                         units=fsdp_units, world_size=world_size)
+                work.train_step(model, optimizer, inputs, targets)
+            return parts_of(tracker.get_tracker_snapshot("peak"))
+
+    return _guarded(f"model {type(work.model).__name__}", run)
 
 
-def _predict_fsdp(model: nn.Module, *, fake_batch_of: Batch, loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                  build_optimizer: Callable[[Sequence[nn.Parameter]], torch.optim.Optimizer],
-                  units: Sequence[str], world_size: int) -> StepMemory:
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    from torch.testing._internal.distributed.fake_pg import FakeStore
+def fsdp_memory(work: Workload, batch_size: int, world_size: int, units: Sequence[str]) -> StepMemory:
+    """One FSDP2 training step of one rank of ``world_size``, ``units`` sharded as gputrain's FSDP shards them."""
 
-    if dist.is_initialized():
-        raise RuntimeError("predicting FSDP memory needs a process of its own (it makes a fake process group)")
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
-    try:
-        mesh = init_device_mesh("cpu", (world_size,))  # outside fake mode: a mesh is made of real groups
-        with FakeTensorMode(allow_non_fake_inputs=True) as fake:
-            model.to_empty(device="cpu")
-            for name in units:
-                fully_shard(model.get_submodule(name) if name else model, mesh=mesh)
-            batch = (fake.from_tensor(fake_batch_of[0]), fake.from_tensor(fake_batch_of[1]))
-            optimizer = build_optimizer(list(model.parameters()))
-            run_steps(model, optimizer, batch, loss, steps=1)
-            tracker = FSDPMemTracker(model, optimizer)
-            tracker.track_inputs(batch)
+    def run() -> StepMemory:
+        from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        if dist.is_initialized():
+            raise RuntimeError("predicting FSDP memory makes a fake process group: run it outside a training job")
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+        try:
+            mesh = init_device_mesh(work.device.type, (world_size,))  # outside fake mode: a mesh holds real groups
+            with _fake(work, work.model) as (model, fake):
+                for name in [*units, ""]:
+                    fully_shard(model.get_submodule(name) if name else model, mesh=mesh)
+                inputs, targets = fake(work.batch(batch_size))
+                optimizer = work.optimizer(model)
+                work.train_step(model, optimizer, inputs, targets)
+                tracker = FSDPMemTracker(model, optimizer)
+                tracker.track_inputs((inputs, targets))
+                with tracker:
+                    work.train_step(model, optimizer, inputs, targets)
+                return parts_of(tracker.get_tracker_snapshot("peak"))
+        finally:
+            dist.destroy_process_group()
+
+    return _guarded(f"model {type(work.model).__name__} under FSDP", run)
+
+
+def in_flight_limit(stages: int, stage: int, micro_batches: int, schedule: str) -> int:
+    """Micro-batches whose activations stage ``stage`` (0-based) holds at once: all of them under GPipe; under
+    1F1B the stage starts backwards once ``stages - stage`` are in flight."""
+    return micro_batches if schedule == "gpipe" else min(micro_batches, stages - stage)
+
+
+def stage_memory(work: Workload, split: Sequence[int], stage: int, *, batch_size: int, micro_batches: int,
+                 schedule: str) -> StepMemory:
+    """Stage ``stage`` of the model cut before ``split``: its parameters, gradients and optimizer state, and the
+    activations of the micro-batches it holds at once under ``schedule`` (model_parallel runs as gpipe)."""
+    from gputrain.parallel.blocks import run_blocks, sequential_blocks, split_stages
+    from gputrain.strategies.micro_batches import chunk_batch, split_size
+
+    def run() -> StepMemory:
+        from torch.distributed._tools.mem_tracker import MemTracker
+
+        with _fake(work, work.model) as (model, fake):
+            blocks = sequential_blocks(model, children_in_order=bool(work.split_points))
+            stages = split_stages(blocks, split)
+            inputs, targets = fake(work.batch(batch_size))
+            size = split_size(batch_size, micro_batches)
+            chunks = list(zip(chunk_batch(inputs, size), chunk_batch(targets, size), strict=True))
+            with torch.no_grad():  # what each stage receives: the chain's state before it
+                received = [run_blocks(blocks[:split[stage - 1]], x) if stage else x for x, _ in chunks]
+            mine = stages[stage]
+            optimizer = work.optimizer(mine)
+            limit = in_flight_limit(len(stages), stage, len(chunks), schedule)
+            last = stage == len(stages) - 1
+
+            def one_step(tracker: Any = None) -> None:
+                pending: list[Any] = []
+
+                def backward() -> None:
+                    out, y = pending.pop(0)
+                    if last:
+                        work.loss_of(out, y).backward()
+                    else:
+                        outs = [t for t in (out if isinstance(out, tuple) else (out,)) if t.requires_grad]
+                        torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
+
+                for x, (_, y) in zip(received, chunks, strict=True):
+                    if len(pending) == limit:
+                        backward()
+                    state = tuple(t.detach().requires_grad_(t.is_floating_point())
+                                  for t in (x if isinstance(x, tuple) else (x,)))
+                    if tracker is not None:  # it refuses a root module called twice; the peak is kept apart
+                        tracker.reset_mod_stats()
+                    with work.autocast():
+                        pending.append((mine(*state), y))
+                while pending:
+                    backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+
+            one_step()
+            tracker = MemTracker()
+            tracker.track_external(mine, optimizer)
             with tracker:
-                run_steps(model, optimizer, batch, loss, steps=1)
-            return _parts(tracker.get_tracker_snapshot("peak"))
-    finally:
-        dist.destroy_process_group()
+                one_step(tracker)
+            return parts_of(tracker.get_tracker_snapshot("peak"))
+
+    return _guarded(f"stage {stage + 1} of {type(work.model).__name__}", run)
+
+
+def batch_bytes(batch: Any) -> int:
+    total = 0
+
+    def add(t: Any) -> Any:
+        nonlocal total
+        if isinstance(t, torch.Tensor):
+            total += t.numel() * t.element_size()
+        return t
+
+    tree_map(add, batch)
+    return total

@@ -1,0 +1,212 @@
+"""``gputrain plan``: every plan that applies to the devices, predicted before the run, and the one to choose."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gputrain.config import RunConfig
+from gputrain.parallel.partition import format_bytes
+from gputrain.tools.plan import memory
+from gputrain.tools.plan.budget import device_budget, parse_size
+from gputrain.tools.plan.plans import Plan, Planner, choose, micro_batch_count, why
+from gputrain.tools.plan.timing import block_shares, measure_steps
+from gputrain.tools.plan.workload import Workload
+
+SPLIT = ("pipeline", "model_parallel")
+
+
+@dataclass
+class Report:
+    plans: list[Plan]
+    chosen: Plan | None
+    budget: int
+    budget_source: str
+    device: str
+    precision: str
+    global_batch: int
+    notes: list[str]
+    seconds: float
+
+    def as_json(self) -> dict[str, Any]:
+        return {"plans": [p.as_json() for p in self.plans], "chosen": self.chosen.as_json() if self.chosen else None,
+                "budget_bytes": self.budget, "device": self.device, "precision": self.precision,
+                "global_batch": self.global_batch, "notes": self.notes, "plan_s": self.seconds}
+
+
+def global_batch(cfg: RunConfig, devices: int, nnodes: int) -> int:
+    """The batch one optimizer step of the recipe trains as configured (``--strategy auto``: trainer.batch_size)."""
+    from gputrain.strategies import strategy_class
+
+    t = cfg.trainer
+    if t.strategy == "auto":
+        return t.batch_size
+    return t.batch_size * strategy_class(t.strategy).data_parallel_size(devices * nnodes)
+
+
+def _device(cfg: RunConfig) -> torch.device:
+    from gputrain.dist.env import resolve_accelerator
+
+    kind = resolve_accelerator(cfg.trainer.accelerator)
+    return torch.device("cuda", torch.cuda.current_device()) if kind == "cuda" else torch.device("cpu")
+
+
+def _check_devices(device: torch.device, devices: int) -> None:
+    if devices < 1:
+        raise ValueError(f"--devices {devices}: give 1 or more")
+    if device.type == "cuda" and devices > torch.cuda.device_count():
+        raise ValueError(f"--devices {devices} but this machine has {torch.cuda.device_count()} GPU(s); plan for "
+                         f"another machine with --accelerator cpu is not possible either: run plan where the run trains")
+
+
+def make_report(cfg: RunConfig, *, devices: int, nnodes: int = 1, budget_text: str = "") -> Report:
+    """Predict every plan for ``devices`` per node of ``nnodes`` nodes and choose one."""
+    from gputrain.config.resolve import resolve_precision
+    from gputrain.strategies.fsdp import shard_units
+
+    started = time.perf_counter()
+    device = _device(cfg)
+    _check_devices(device, devices)
+    precision = resolve_precision(cfg.trainer.precision, device)
+    budget = parse_size(budget_text) if budget_text else device_budget(device.type, device.index or 0)
+    source = "--memory-budget" if budget_text else ("free GPU memory" if device.type == "cuda" else "available RAM")
+    g = global_batch(cfg, devices, nnodes)
+    world = devices * nnodes
+    work = Workload.from_config(cfg, device, precision)
+    notes: list[str] = []
+    has_bn = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in work.model.modules())
+
+    # The probe batch: this device's share of the data-parallel plans, small on a CPU (its time is linear in the
+    # batch), and never one whose predicted memory exceeds the budget.
+    probe_batch = max(min(g // world or 1, 4 if device.type == "cpu" else g), 2 if has_bn else 1)
+    predicted_probe = _single_memory(work, probe_batch, notes)
+    while predicted_probe.peak > budget and probe_batch > 1:
+        probe_batch //= 2
+        predicted_probe = _single_memory(work, probe_batch, notes)
+    probe = measure_steps(work, probe_batch)
+    overhead = max((probe.cuda_peak_bytes or 0) - predicted_probe.peak, 0) if probe.cuda_peak_bytes else 0
+
+    shares, m, split = None, 1, None
+    if world > 1 and nnodes == 1:
+        m = micro_batch_count(cfg.parallel.micro_batches, world, g, has_bn)
+        try:
+            shares = block_shares(work, max(g // m, 1))
+            split = _split_indices(cfg, shares, world)
+        except ValueError as err:
+            notes.append(f"no pipeline or model_parallel plan: {err}")
+    elif nnodes > 1:
+        notes.append("pipeline and model_parallel plans are for one node; --nnodes > 1 plans ddp and fsdp")
+    planner = Planner(work, world, g, budget, probe, shares, m, fsdp_units=shard_units(work.model),
+                      cuda_overhead=overhead)
+    plans = [_attempt(planner.single, notes)]
+    if world > 1:
+        if g % world:
+            notes.append(f"no ddp or fsdp plan: the global batch {g} does not divide over {world} devices")
+        else:
+            plans += [_attempt(planner.ddp, notes), _attempt(planner.fsdp, notes)]
+        if shares is not None and split is not None:
+            plans += [_attempt(lambda s=s: planner.split("pipeline", s, split), notes) for s in ("gpipe", "1f1b")]
+            plans.append(_attempt(lambda: planner.split("model_parallel", "", split), notes))
+    found = [p for p in plans if p is not None]
+    notes += sorted(work.notes)
+    if not found:
+        raise ValueError(f"no plan could be predicted for {cfg.model.name or 'the model'}: {'; '.join(notes)}")
+    return Report(found, choose(found), budget, source, str(device), precision, g, notes,
+                  time.perf_counter() - started)
+
+
+def _single_memory(work: Workload, batch: int, notes: list[str]) -> memory.StepMemory:
+    return memory.step_memory(work, batch)
+
+
+def _attempt(predict: Any, notes: list[str]) -> Plan | None:
+    try:
+        return predict()  # type: ignore[no-any-return]
+    except memory.UnprofilableModel as err:
+        notes.append(str(err))
+        return None
+
+
+def _split_indices(cfg: RunConfig, shares: Any, stages: int) -> list[int]:
+    from gputrain.parallel.partition import partition_by_cost, plan_from_split_points
+
+    if cfg.parallel.split_points and len(cfg.parallel.split_points) == stages - 1:
+        return plan_from_split_points(shares.names, cfg.parallel.split_points, field="parallel.split_points")
+    if len(shares.names) < stages:
+        raise ValueError(f"the model has {len(shares.names)} blocks, fewer than {stages} stages")
+    return partition_by_cost(shares.time, stages, names=shares.names)
+
+
+def format_report(report: Report, title: str) -> str:
+    rows = [("plan", "dev", "batch", "micro", "split at", "params", "grads", "optim", "activ", "other",
+             "peak/device", "step", "images/s", "fits", "largest G")]
+    for p in report.plans:
+        worst = max(p.per_device, key=lambda m: m.peak)
+        rows.append((p.label, str(p.devices), str(p.batch_size), str(p.micro_batches) if p.micro_batches > 1 else "-",
+                     ",".join(p.split_points) or "-", *(format_bytes(v) for v in worst.as_dict().values()),
+                     format_bytes(p.peak), f"{p.step_s * 1e3:.0f} ms", f"{p.images_per_s:.1f}",
+                     "yes" if p.fits else "NO", str(p.max_global_batch)))
+    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+    lines = [title] + ["  ".join(x.ljust(w) if c < 5 else x.rjust(w) for c, (x, w) in enumerate(zip(r, widths,
+                                                                                               strict=True)))
+                       for r in rows]
+    if len(report.plans) > 1 and any(len(p.per_device) > 1 and len({m.peak for m in p.per_device}) > 1
+                                     for p in report.plans):
+        for p in report.plans:
+            if len({m.peak for m in p.per_device}) > 1:
+                lines.append(f"  {p.label} per stage: " + ", ".join(format_bytes(m.peak) for m in p.per_device))
+    lines += [f"note: {n}" for n in report.notes]
+    lines.append(f"chosen: {why(report.chosen, report.plans)}" if report.chosen else no_plan_line(report))
+    lines.append(f"planned in {report.seconds:.1f} s; memory counted on fake tensors, time from measured steps "
+                 f"(docs/plan.md)")
+    return "\n".join(lines)
+
+
+def no_plan_line(report: Report) -> str:
+    least = min(report.plans, key=lambda p: p.peak)
+    best = max(report.plans, key=lambda p: p.max_global_batch)
+    return (f"no plan fits {format_bytes(report.budget)} ({report.budget_source}) with a 10% margin: the smallest "
+            f"needs {format_bytes(least.peak)} per device ({least.label}); the largest global batch that fits is "
+            f"{best.max_global_batch} ({best.label})" + ("" if best.max_global_batch else ": none; a smaller model "
+                                                          "or input size is needed"))
+
+
+def cmd_plan(cfg: RunConfig, *, recipe: str, devices: int, nnodes: int, budget_text: str, json_path: str) -> int:
+    report = make_report(cfg, devices=devices, nnodes=nnodes, budget_text=budget_text)
+    title = (f"gputrain plan: {recipe} on {devices * nnodes} x {report.device}, global batch {report.global_batch}, "
+             f"precision {report.precision}, budget {format_bytes(report.budget)} per device ({report.budget_source})")
+    print(format_report(report, title), flush=True)
+    if json_path:
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_path).write_text(json.dumps(report.as_json(), indent=2) + "\n")
+    return 0 if report.chosen else 2
+
+
+def auto_overrides(cfg: RunConfig, *, devices: int, nnodes: int, budget_text: str) -> tuple[list[str], str]:
+    """``--strategy auto``: the chosen plan as config overrides, and its one line; one line when none fits."""
+    report = make_report(cfg, devices=devices, nnodes=nnodes, budget_text=budget_text)
+    if report.chosen is None:
+        print(no_plan_line(report), file=sys.stderr, flush=True)
+        raise SystemExit(2)
+    c = report.chosen
+    per_device = ", ".join(format_bytes(m.peak) for m in c.per_device)
+    split = f" split at {','.join(c.split_points)}" if c.split_points else ""
+    micro = f" {c.micro_batches} micro-batches" if c.micro_batches > 1 else ""
+    line = (f"gputrain: --strategy auto chose {c.label} on {c.devices} device(s){micro}{split}, batch {c.batch_size} "
+            f"per process; predicted peak {per_device} per device (budget {format_bytes(report.budget)}), "
+            f"{c.images_per_s:.1f} images/s")
+    return c.overrides(), line
+
+
+def apply_plan(cfg: RunConfig, overrides: list[str]) -> None:
+    """Set, in the launcher's config, the fields it reads to start the ranks (the workers load the overrides)."""
+    values = dict(o.split("=", 1) for o in overrides)
+    cfg.trainer.strategy = values["trainer.strategy"]
+    cfg.trainer.batch_size = int(values["trainer.batch_size"])
+    cfg.trainer.devices = int(values.get("trainer.devices", cfg.trainer.devices))

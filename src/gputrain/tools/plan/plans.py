@@ -1,0 +1,225 @@
+"""The plans that apply to N devices, each with its predicted memory per device and step time, and the choice.
+
+Every plan trains the same global batch ``G`` (what the recipe trains as configured), so any of them computes
+what the others would: ``single`` takes all of it, ``ddp`` and ``fsdp`` ``G / N`` per rank, ``pipeline`` (GPipe and
+1F1B, one process per stage) and ``model_parallel`` (one process, one stage per device) cut it into micro-batches.
+Memory is counted on fake tensors (:mod:`gputrain.tools.plan.memory`); time is a measured step scaled by the
+plan's samples per device, stage shares from the block profile, plus the collectives' bytes over the link.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from gputrain.tools.plan import memory
+from gputrain.tools.plan.memory import StepMemory
+from gputrain.tools.plan.timing import BlockShares, Probe, allreduce_s, send_s
+from gputrain.tools.plan.workload import Workload
+
+MARGIN = 0.10
+"""A plan is chosen only when its predicted peak stays this far under the budget: the accuracy the plan is tested to."""
+DDP_BUCKET_BYTES = 25 * 2**20
+"""DDP's default bucket: the last one's all-reduce cannot overlap the backward."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    strategy: str
+    devices: int
+    global_batch: int
+    batch_size: int
+    """trainer.batch_size of this plan: per process for ddp and fsdp, the whole batch otherwise."""
+    per_device: tuple[StepMemory, ...]
+    step_s: float
+    budget: int
+    micro_batches: int = 1
+    schedule: str = ""
+    split_points: tuple[str, ...] = ()
+    max_global_batch: int = 0
+    """The largest global batch predicted to fit the budget with the margin (0: none)."""
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def peak(self) -> int:
+        return max(m.peak for m in self.per_device)
+
+    @property
+    def fits(self) -> bool:
+        return self.peak <= self.budget
+
+    @property
+    def fits_with_margin(self) -> bool:
+        return self.peak <= self.budget * (1 - MARGIN)
+
+    @property
+    def images_per_s(self) -> float:
+        return self.global_batch / self.step_s if self.step_s > 0 else 0.0
+
+    @property
+    def label(self) -> str:
+        return f"{self.strategy}-{self.schedule}" if self.strategy == "pipeline" else self.strategy
+
+    def overrides(self) -> list[str]:
+        """The config values that train this plan."""
+        out = [f"trainer.strategy={self.strategy}", f"trainer.batch_size={self.batch_size}",
+               f"trainer.devices={self.devices}"]
+        if self.strategy in ("pipeline", "model_parallel"):
+            out += [f"parallel.micro_batches={self.micro_batches}", f"parallel.stages={self.devices}",
+                    f"parallel.split_points=[{','.join(self.split_points)}]"]
+            if self.schedule:
+                out.append(f"parallel.schedule={self.schedule}")
+        return out
+
+    def as_json(self) -> dict[str, Any]:
+        worst = max(self.per_device, key=lambda m: m.peak)
+        return {"strategy": self.strategy, "devices": self.devices, "batch_size": self.batch_size,
+                "global_batch": self.global_batch, "micro_batches": self.micro_batches,
+                "schedule": self.schedule or None, "split_points": list(self.split_points),
+                "activation_checkpointing": False, "peak_memory_bytes": self.peak,
+                "per_device_memory_bytes": [m.peak for m in self.per_device], "memory_parts": worst.as_dict(),
+                "step_s": self.step_s, "images_per_s": self.images_per_s, "fits": self.fits,
+                "max_global_batch": self.max_global_batch}
+
+
+def _largest(low: int, memory_at: Callable[[int], int], unit: int, at: int, budget: int) -> int:
+    """The largest batch (a multiple of ``unit``) whose peak, affine in the batch, fits ``budget`` with the margin;
+    the line through the peaks at ``at`` samples (``low``) and ``2 at``."""
+    high = memory_at(2 * at)
+    per_sample = max(high - low, 1) / at
+    room = budget * (1 - MARGIN) - (low - per_sample * at)
+    return max(int(room / per_sample) // unit * unit, 0)
+
+
+@dataclass
+class Planner:
+    work: Workload
+    devices: int
+    global_batch: int
+    budget: int
+    probe: Probe
+    """A measured whole-model step on this device."""
+    shares: BlockShares | None
+    """Per-block time shares and boundary sizes (None: the model has no chain of blocks; no split plans)."""
+    micro_batches: int
+    fsdp_units: Sequence[str] = ()
+    cuda_overhead: int = 0
+    """Bytes the CUDA allocator holds beyond the counted tensors (measured by the probe step)."""
+
+    @property
+    def device_type(self) -> str:
+        return self.work.device.type
+
+    def _with_overhead(self, parts: StepMemory) -> StepMemory:
+        return parts.plus(other=self.cuda_overhead) if self.cuda_overhead else parts
+
+    def _compute_s(self, samples_per_device: float) -> float:
+        # CPU "devices" are processes sharing one set of cores: the machine does all G samples' work either way.
+        samples = self.global_batch if self.device_type == "cpu" else samples_per_device
+        return self.probe.step_at(samples)
+
+    def _grad_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.work.model.parameters() if p.requires_grad)
+
+    def single(self) -> Plan:
+        g = self.global_batch
+        mem = self._with_overhead(memory.step_memory(self.work, g))
+        largest = _largest(mem.peak, lambda b: memory.step_memory(self.work, b).peak + self.cuda_overhead, 1, g,
+                           self.budget)
+        return Plan("single", 1, g, g, (mem,), self._compute_s(g), self.budget, max_global_batch=largest)
+
+    def ddp(self) -> Plan:
+        n, b = self.devices, self.global_batch // self.devices
+        buckets = self._grad_bytes()  # gradient_as_bucket_view=False: one flat copy of the gradients
+        mem = self._with_overhead(memory.step_memory(self.work, b)).plus(other=buckets)
+        compute = self._compute_s(b)
+        comm = allreduce_s(buckets, n, self.device_type)
+        exposed = max(allreduce_s(min(buckets, DDP_BUCKET_BYTES), n, self.device_type), comm - compute * 2 / 3)
+        largest = n * _largest(mem.peak, lambda k: memory.step_memory(self.work, k).peak + buckets
+                               + self.cuda_overhead, 1, b, self.budget)
+        return Plan("ddp", n, self.global_batch, b, (mem,) * n, compute + exposed, self.budget,
+                    max_global_batch=largest)
+
+    def fsdp(self) -> Plan:
+        n, b = self.devices, self.global_batch // self.devices
+
+        def at(k: int) -> StepMemory:
+            return memory.fsdp_memory(self.work, k, n, self.fsdp_units)
+
+        mem = self._with_overhead(at(b))
+        compute = self._compute_s(b)
+        # Parameters all-gathered for the forward and again for the backward, gradients reduce-scattered: each
+        # moves (N - 1) / N of the model, 1.5 all-reduces' worth; units overlap with compute except the first.
+        comm = 1.5 * allreduce_s(self._grad_bytes(), n, self.device_type)
+        exposed = max(comm / (len(self.fsdp_units) + 1), comm - compute)
+        largest = n * _largest(mem.peak, lambda k: at(k).peak + self.cuda_overhead, 1, b, self.budget)
+        return Plan("fsdp", n, self.global_batch, b, (mem,) * n, compute + exposed, self.budget,
+                    max_global_batch=largest)
+
+    def split(self, strategy: str, schedule: str, split: Sequence[int]) -> Plan:
+        """pipeline (``schedule`` gpipe or 1f1b) or model_parallel (its micro-batches run as GPipe's)."""
+        assert self.shares is not None
+        k, m, g = self.devices, self.micro_batches, self.global_batch
+        run_as = schedule or "gpipe"
+
+        def stages_at(batch: int) -> list[StepMemory]:
+            return [memory.stage_memory(self.work, split, s, batch_size=batch, micro_batches=m, schedule=run_as)
+                    for s in range(k)]
+
+        whole = sum(p.numel() * p.element_size() for p in self.work.model.parameters())
+        if self.device_type == "cpu" and strategy == "model_parallel":
+            # Every stage is on the one CPU: one process holding all of them, the whole batch's activations alive.
+            def stages_at(batch: int) -> list[StepMemory]:
+                return [memory.step_memory(self.work, batch)]
+        elif self.device_type == "cpu":
+            # A pipeline rank keeps the whole model object on the CPU (the weights of other stages too).
+            on_stage = stages_at
+
+            def stages_at(batch: int) -> list[StepMemory]:
+                return [s.plus(parameters=whole - s.parameters) for s in on_stage(batch)]
+        raw = stages_at(g)
+        per_stage = [self._with_overhead(s) for s in raw]
+        bounds = [0, *split, len(self.shares.time)]
+        micro = g / m
+        if self.device_type == "cpu":
+            step = self._compute_s(g)
+        else:
+            stage_s = [self.probe.step_at(micro) * sum(self.shares.time[a:b])
+                       for a, b in zip(bounds, bounds[1:], strict=False)]
+            step = sum(stage_s) + (m - 1) * max(stage_s)  # fill and drain, then the slowest stage's pace
+        boundary = sum(self.shares.output_bytes_per_sample[i - 1] for i in split) * micro
+        step += 2 * m * send_s(boundary, self.device_type) if self.device_type != "cpu" else 0.0
+        largest = 0
+        if m <= g:
+            peaks = {g: max(s.peak for s in raw), 2 * g: max(s.peak for s in stages_at(2 * g))}
+            slope = max(peaks[2 * g] - peaks[g], 1) / g
+            room = self.budget * (1 - MARGIN) - self.cuda_overhead - (peaks[g] - slope * g)
+            largest = max(int(room / slope), 0)
+        names = self.shares.names
+        return Plan(strategy, k, g, g, tuple(per_stage), step, self.budget, micro_batches=m, schedule=schedule,
+                    split_points=tuple(names[i] for i in split), max_global_batch=largest)
+
+
+def choose(plans: Sequence[Plan]) -> Plan | None:
+    """The fastest plan predicted to fit with the margin; ties go to fewer devices, then to the list's order."""
+    fitting = [p for p in plans if p.fits_with_margin]
+    return min(fitting, key=lambda p: (round(p.step_s, 9), p.devices)) if fitting else None
+
+
+def why(chosen: Plan, plans: Sequence[Plan]) -> str:
+    """One line: why this plan."""
+    faster = [p for p in plans if p.step_s < chosen.step_s and p is not chosen]
+    reason = (f"the fastest of {sum(p.fits_with_margin for p in plans)} plans that fit"
+              if not faster else f"faster plans ({', '.join(p.label for p in faster)}) do not fit")
+    return (f"{chosen.label}: {reason} (predicted peak {chosen.peak / 2**30:.2f} GiB per device of "
+            f"{chosen.budget / 2**30:.2f} GiB, keeping a {MARGIN:.0%} margin; {chosen.images_per_s:.1f} images/s)")
+
+
+def micro_batch_count(requested: int, stages: int, global_batch: int, has_batchnorm: bool) -> int:
+    """The recipe's micro-batches when it sets more than one, else two per stage; never micro-batches of one sample
+    under BatchNorm, never more than the batch."""
+    m = requested if requested > 1 else 2 * stages
+    smallest = 2 if has_batchnorm else 1
+    return max(1, min(m, global_batch // smallest))
+

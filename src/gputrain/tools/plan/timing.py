@@ -1,0 +1,121 @@
+"""Measured time: a few real training steps of the whole model on this machine's device, and the block profile.
+
+Step time is measured, not derived from FLOPs: one warm-up step, then the median of ``repeats`` steps of the run's
+model, loss, precision and optimizer at a small batch on the device the run trains on. A step's time grows in
+proportion to its samples once the device is busy, so other batches are scaled from it (on a GPU a small batch
+underuses the device: the probe batch is the largest per-device batch whose memory was predicted to fit).
+How the step divides over pipeline stages comes from the partitioner's own profiler
+(:func:`gputrain.parallel.profile.profile_blocks`), per block, at the micro-batch.
+
+On CUDA the same steps give the allocator's overhead over the counted tensor memory (cuDNN workspaces,
+rounding), added to every plan's prediction.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from gputrain.tools.plan.workload import Workload
+
+
+@dataclass(frozen=True)
+class Probe:
+    batch_size: int
+    step_s: float
+    """Median seconds of one training step at ``batch_size``."""
+    cuda_peak_bytes: int | None
+    """``torch.cuda.max_memory_allocated`` during a step (None on a CPU)."""
+    fixed_s: float = 0.0
+    """What a step costs whatever its batch (launches, the optimizer), from a second probe at twice the batch."""
+
+    @property
+    def per_sample_s(self) -> float:
+        return (self.step_s - self.fixed_s) / self.batch_size
+
+    def step_at(self, samples: float) -> float:
+        return self.fixed_s + self.per_sample_s * samples
+
+
+def measure_steps(work: Workload, batch_size: int) -> Probe:
+    """Steps at ``batch_size`` and at twice it: a step's time is taken as affine in its batch."""
+    small, large = measure_step(work, batch_size), measure_step(work, 2 * batch_size)
+    per_sample = max(large.step_s - small.step_s, 0.0) / batch_size
+    fixed = min(max(small.step_s - per_sample * batch_size, 0.0), small.step_s)
+    return Probe(batch_size, small.step_s, small.cuda_peak_bytes, fixed)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure_step(work: Workload, batch_size: int, repeats: int = 3) -> Probe:
+    """Time real training steps of a copy of the model at ``batch_size`` (the user's model is left untouched)."""
+    from gputrain.strategies.base import move_to_device
+
+    device = work.device
+    model = copy.deepcopy(work.model).to(device).train()
+    optimizer = work.optimizer(model)
+    inputs, targets = move_to_device(work.batch(batch_size), device)
+    cuda = device.type == "cuda"
+    with torch.random.fork_rng(devices=[device] if cuda else []):
+        work.train_step(model, optimizer, inputs, targets)  # warm-up: kernels chosen, optimizer state made
+        if cuda:
+            _sync(device)
+            torch.cuda.reset_peak_memory_stats(device)
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            work.train_step(model, optimizer, inputs, targets)
+            _sync(device)
+            times.append(time.perf_counter() - start)
+        peak = torch.cuda.max_memory_allocated(device) if cuda else None
+    del model, optimizer
+    return Probe(batch_size, statistics.median(times), peak)
+
+
+@dataclass(frozen=True)
+class BlockShares:
+    names: list[str]
+    time: list[float]
+    """Each block's share of a forward+backward (they sum to 1)."""
+    output_bytes_per_sample: list[float]
+    """What a stage ending at the block sends to the next, per sample."""
+
+
+def block_shares(work: Workload, batch_size: int) -> BlockShares:
+    """Each block's share of a forward+backward, measured by the partitioner's profiler at ``batch_size``."""
+    from gputrain.parallel.blocks import sequential_blocks
+    from gputrain.parallel.profile import profile_blocks
+    from gputrain.strategies.base import move_to_device
+
+    model = copy.deepcopy(work.model).to(work.device)
+    blocks = sequential_blocks(model, children_in_order=bool(work.split_points))
+    inputs, _ = move_to_device(work.batch(batch_size), work.device)
+    with torch.random.fork_rng(devices=[work.device] if work.device.type == "cuda" else []), work.autocast():
+        costs = profile_blocks(blocks, inputs, device=work.device, repeats=2)
+    total = sum(c.forward_backward_s for c in costs) or 1.0
+    return BlockShares([c.name for c in costs], [c.forward_backward_s / total for c in costs],
+                       [c.output_bytes / batch_size for c in costs])
+
+
+LINK_BYTES_PER_S = {"cpu": 2e9, "cuda": 100e9}
+"""What collectives move per second between the devices of one node: gloo over a host's loopback, about 2 GB/s
+measured on this project's CPU machines; NVLink-class GPUs, a conservative 100 GB/s (PCIe-only GPUs get about a
+fifth). The one figure planning assumes rather than measures (docs/plan.md)."""
+
+
+def allreduce_s(nbytes: float, world_size: int, device_type: str) -> float:
+    """A ring all-reduce of ``nbytes``: each device sends and receives 2 (N - 1) / N of it."""
+    if world_size < 2:
+        return 0.0
+    return 2 * (world_size - 1) / world_size * nbytes / LINK_BYTES_PER_S.get(device_type, 2e9)
+
+
+def send_s(nbytes: float, device_type: str) -> float:
+    return nbytes / LINK_BYTES_PER_S.get(device_type, 2e9)

@@ -1,0 +1,119 @@
+"""``gputrain plan`` and ``--strategy auto`` (issue 30): predictions against real steps, the choice, bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from gputrain.config import load_config
+from gputrain.data.cifar10 import make_cifar10
+from gputrain.data.imagefolder import make_frames
+from gputrain.tools.plan import memory
+from gputrain.tools.plan.plans import choose
+from gputrain.tools.plan.workload import Workload
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def gputrain(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "gputrain", *args], capture_output=True, text=True, env=ENV)
+
+
+@pytest.fixture(scope="module")
+def frames(tmp_path_factory) -> Path:
+    return make_frames(tmp_path_factory.mktemp("data") / "frames", count=48, size=40, videos=2)
+
+
+@pytest.fixture(scope="module")
+def planned(tmp_path_factory, frames) -> dict:
+    out = tmp_path_factory.mktemp("plan") / "plan.json"
+    done = gputrain("plan", "autoencoder", "--data-root", str(frames), "--devices", "2", "--accelerator", "cpu",
+                    "--batch-size", "8", "--json", str(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    return {"json": json.loads(out.read_text()), "stdout": done.stdout}
+
+
+def test_fake_step_equals_memtrackers_count_of_a_real_step(tmp_path):
+    root = make_cifar10(tmp_path / "cifar", train_per_class=2, test_per_class=1)
+    cfg = load_config("cifar10-resnet18", [f"data.root={root}", "optim.name=adam"])
+    work = Workload.from_config(cfg, torch.device("cpu"), "32")
+    for batch in (4, 9):
+        predicted = memory.step_memory(work, batch)
+        assert predicted == memory.measured_step_memory(work, batch)
+        weights = sum(p.numel() * 4 for p in work.model.parameters())
+        assert predicted.optimizer >= 2 * weights  # Adam's two moments (and its step's temporaries)
+        assert predicted.activations > 0 and predicted.parameters >= weights
+
+
+def test_plan_lists_every_plan_for_two_devices_with_the_json_fields(planned):
+    plans = {p["strategy"] + (f"-{p['schedule']}" if p["strategy"] == "pipeline" else ""): p
+             for p in planned["json"]["plans"]}
+    assert set(plans) == {"single", "ddp", "fsdp", "pipeline-gpipe", "pipeline-1f1b", "model_parallel"}
+    for p in plans.values():
+        assert {"strategy", "devices", "batch_size", "micro_batches", "split_points", "activation_checkpointing",
+                "peak_memory_bytes", "per_device_memory_bytes", "memory_parts", "step_s", "images_per_s",
+                "fits"} <= set(p)
+        assert p["peak_memory_bytes"] == max(p["per_device_memory_bytes"]) == sum(p["memory_parts"].values())
+        assert p["global_batch"] == 16 and p["step_s"] > 0 and p["max_global_batch"] > 0
+    # The global batch is the recipe's (ddp on 2: 8 per rank): split over 2 ranks each holds half the activations.
+    assert plans["ddp"]["batch_size"] == 8 and plans["single"]["batch_size"] == 16
+    assert plans["ddp"]["memory_parts"]["activations"] < 0.6 * plans["single"]["memory_parts"]["activations"]
+    # 1F1B's first stage holds 2 micro-batches in flight, GPipe's all 4.
+    first = lambda p: p["per_device_memory_bytes"][0]  # noqa: E731
+    assert first(plans["pipeline-1f1b"]) < first(plans["pipeline-gpipe"])
+    assert planned["json"]["chosen"] is not None and planned["json"]["chosen"]["fits"]
+    assert "chosen:" in planned["stdout"]
+
+
+def test_auto_chooses_a_plan_under_a_budget_that_single_exceeds_and_trains_it(planned, frames, tmp_path):
+    plans = planned["json"]["plans"]
+    single = next(p for p in plans if p["strategy"] == "single")
+    others = [p for p in plans if p["strategy"] != "single"]
+    smallest = min(p["peak_memory_bytes"] for p in others)
+    assert smallest < single["peak_memory_bytes"] * 0.85
+    budget = int((smallest / 0.9 + single["peak_memory_bytes"]) / 2)  # the smallest fits with the margin, single not
+    out = tmp_path / "auto"
+    done = gputrain("train", "autoencoder", "--data-root", str(frames), "--devices", "2", "--accelerator", "cpu",
+                    "--batch-size", "16", "--strategy", "auto", "--memory-budget", str(budget), "--epochs", "1",
+                    "--out", str(out), "trainer.progress_bar=false")
+    assert done.returncode == 0, done.stderr[-3000:]
+    line = next(x for x in done.stdout.splitlines() if "--strategy auto chose" in x)
+    saved = yaml.safe_load((out / "config.yaml").read_text())["trainer"]
+    assert saved["strategy"] not in ("auto", "single") and saved["strategy"] in line
+    assert (out / "summary.json").exists()
+
+
+def test_auto_with_a_budget_no_plan_fits_is_one_line_before_any_worker(frames, tmp_path):
+    out = tmp_path / "none"
+    done = gputrain("train", "autoencoder", "--data-root", str(frames), "--devices", "2", "--accelerator", "cpu",
+                    "--strategy", "auto", "--memory-budget", "100KB", "--out", str(out))
+    assert done.returncode == 2
+    assert done.stderr.strip().count("\n") == 0 and "no plan fits" in done.stderr and "largest global batch" in done.stderr
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("budget", ["12 GiBs", "twelve", "0"])
+def test_a_budget_that_cannot_be_read_is_one_line(frames, budget):
+    done = gputrain("plan", "autoencoder", "--data-root", str(frames), "--memory-budget", budget)
+    assert done.returncode == 2 and "--memory-budget" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_the_choice_keeps_the_margin_and_prefers_the_fastest():
+    from gputrain.tools.plan.memory import StepMemory
+    from gputrain.tools.plan.plans import Plan
+
+    def plan(name: str, peak: int, step: float) -> Plan:
+        return Plan(name, 2, 8, 4, (StepMemory(peak, 0, 0, 0, 0),), step, budget=1000)
+
+    fast_but_tight, slow = plan("ddp", 950, 1.0), plan("fsdp", 800, 2.0)
+    assert fast_but_tight.fits and not fast_but_tight.fits_with_margin
+    assert choose([fast_but_tight, slow]) is slow
+    assert choose([plan("ddp", 850, 1.0), slow]).strategy == "ddp"
+    assert choose([plan("ddp", 901, 1.0)]) is None
