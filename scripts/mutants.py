@@ -837,6 +837,17 @@ FAULTS: tuple[Fault, ...] = (
     Fault("[31] the GPU checklist passes CUDA tests that were all skipped", "scripts/gpu_checklist.py",
           (('    if not outcomes["passed"]:', '    if False:'),),
           (f"{CHECKLIST}::test_the_cuda_tests_fail_when_one_fails_or_none_ran",)),
+    # issue 30: the plan before the run
+    Fault("[30] 1F1B planned as if it held every micro-batch (GPipe)", "src/gputrain/tools/plan/memory.py",
+          (('return micro_batches if schedule == "gpipe" else min(micro_batches, stages - stage)',
+            'return micro_batches'),),
+          ("tests/e2e/test_plan.py::test_plan_lists_every_plan_for_two_devices_with_the_json_fields",)),
+    Fault("[30] a plan chosen without the margin", "src/gputrain/tools/plan/plans.py",
+          (("fitting = [p for p in plans if p.fits_with_margin]", "fitting = [p for p in plans if p.fits]"),),
+          ("tests/e2e/test_plan.py::test_the_choice_keeps_the_margin_and_prefers_the_fastest",)),
+    Fault("[30] --strategy auto trains the recipe's batch per process, not the planned one", "src/gputrain/tools/plan/plans.py",
+          (('f"trainer.batch_size={self.batch_size}",', 'f"trainer.batch_size={self.global_batch}",'),),
+          ("tests/e2e/test_plan.py::test_auto_chooses_a_plan_under_a_budget_that_single_exceeds_and_trains_it",)),
 )
 
 

@@ -87,6 +87,7 @@ def test_auto_chooses_a_plan_under_a_budget_that_single_exceeds_and_trains_it(pl
     line = next(x for x in done.stdout.splitlines() if "--strategy auto chose" in x)
     saved = yaml.safe_load((out / "config.yaml").read_text())["trainer"]
     assert saved["strategy"] not in ("auto", "single") and saved["strategy"] in line
+    assert saved["batch_size"] == (8 if saved["strategy"] in ("ddp", "fsdp") else 16)  # the same global batch, 16
     assert (out / "summary.json").exists()
 
 

@@ -144,7 +144,7 @@ def _split_indices(cfg: RunConfig, shares: Any, stages: int) -> list[int]:
 
 
 def format_report(report: Report, title: str) -> str:
-    rows = [("plan", "dev", "batch", "micro", "split at", "params", "grads", "optim", "activ", "other",
+    rows: list[tuple[str, ...]] = [("plan", "dev", "batch", "micro", "split at", "params", "grads", "optim", "activ", "other",
              "peak/device", "step", "images/s", "fits", "largest G")]
     for p in report.plans:
         worst = max(p.per_device, key=lambda m: m.peak)
