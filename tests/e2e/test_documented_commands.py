@@ -66,7 +66,8 @@ BEFORE = {
 }
 """The runs a page takes as made (on other pages) before its own commands."""
 
-COMMANDS = ("train", "eval", "data", "bench", "export", "predict", "report", "parity", "doctor", "env", "COMMAND")
+COMMANDS = ("train", "eval", "data", "bench", "export", "predict", "report", "parity", "doctor", "plan", "env",
+            "COMMAND")
 IMAGE_SIZE = {"autoencoder": 40, "coco-maskrcnn": 0}
 """Side of the images a run trains on (the conv autoencoder pools by 20; Mask R-CNN keeps the sample's 64)."""
 MASK_RCNN_TINY = ["model.kwargs.min_size=64", "model.kwargs.max_size=64"]
@@ -139,6 +140,8 @@ def _tiny(argv: tuple[str, ...], scratch: Path) -> list[str]:
         size = IMAGE_SIZE.get(argv[1], 0 if argv[1].endswith(".yaml") else 32)  # a saved config keeps its own
         small = [f"data.image_size={size}"] if size else MASK_RCNN_TINY if argv[1] == "coco-maskrcnn" else []
         return [*argv, *TRAIN_TINY, *epochs, *small]
+    if argv[:1] == ["plan"]:  # a real plan, at a size a CPU times in seconds
+        return [*argv, "data.image_size=32"]
     if argv[:2] == ["data", "make"]:
         out = argv.index("--out") + 1
         argv[out] = str(scratch / argv[out])  # the sandbox has its sample data already

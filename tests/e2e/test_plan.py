@@ -118,3 +118,7 @@ def test_the_choice_keeps_the_margin_and_prefers_the_fastest():
     assert choose([fast_but_tight, slow]) is slow
     assert choose([plan("ddp", 850, 1.0), slow]).strategy == "ddp"
     assert choose([plan("ddp", 901, 1.0)]) is None
+    # What --strategy auto hands the ranks: ddp's batch per process is the global batch's share (8 over 2).
+    assert "trainer.batch_size=4" in plan("ddp", 1, 1.0).overrides()
+    assert "trainer.batch_size=8" in Plan("pipeline", 2, 8, 8, (StepMemory(1, 0, 0, 0, 0),), 1.0, budget=10,
+                                          micro_batches=2, schedule="1f1b", split_points=("layer3",)).overrides()
