@@ -8,6 +8,7 @@ the set is shorter: the shapes and dtypes are the run's, the values only matter 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,7 +41,9 @@ class Workload:
 
         from gputrain.tasks import build_task
 
-        spec = build_task(cfg)
+        # Float batches as the workers would hand them (uint8 ones become these on the device: the same tensors).
+        data_cfg = dataclasses.replace(cfg.data, normalize_on_device=False, decode_on_device=False)
+        spec = build_task(dataclasses.replace(cfg, data=data_cfg))
         data = spec.train_data
         n = min(len(data), count)  # type: ignore[arg-type]
         if n == 0:
@@ -64,8 +67,6 @@ class Workload:
             yield
 
     def optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
-        import dataclasses
-
         from gputrain.optim import build_optimizer
 
         # Fused kernels are the same tensors; on fake tensors they may lack a kernel, so plan the plain one.
