@@ -141,7 +141,8 @@ def _tiny(argv: tuple[str, ...], scratch: Path) -> list[str]:
         small = [f"data.image_size={size}"] if size else MASK_RCNN_TINY if argv[1] == "coco-maskrcnn" else []
         return [*argv, *TRAIN_TINY, *epochs, *small]
     if argv[:1] == ["plan"]:  # a real plan, at a size a CPU times in seconds
-        return [*argv, "data.image_size=32"]
+        size = IMAGE_SIZE.get(argv[1], 32)
+        return [*argv, *([f"data.image_size={size}"] if size else [])]
     if argv[:2] == ["data", "make"]:
         out = argv.index("--out") + 1
         argv[out] = str(scratch / argv[out])  # the sandbox has its sample data already
