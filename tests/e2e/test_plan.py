@@ -100,6 +100,14 @@ def test_auto_with_a_budget_no_plan_fits_is_one_line_before_any_worker(frames, t
     assert not out.exists()
 
 
+def test_a_json_path_that_cannot_be_written_is_one_line_before_planning(frames, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    done = gputrain("plan", "autoencoder", "--data-root", str(frames), "--json", str(blocker / "plan.json"))
+    assert done.returncode == 2 and done.stderr.startswith("gputrain: error: --json ") and "chosen:" not in done.stdout
+    assert done.stderr.strip().count("\n") == 0
+
+
 @pytest.mark.parametrize("budget", ["12 GiBs", "twelve", "0"])
 def test_a_budget_that_cannot_be_read_is_one_line(frames, budget):
     done = gputrain("plan", "autoencoder", "--data-root", str(frames), "--memory-budget", budget)

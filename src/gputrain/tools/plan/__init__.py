@@ -1,4 +1,3 @@
-"""``gputrain plan``: predicted memory and step time of each way to run a recipe, before the run (issue 30).
-
-Work in progress: :mod:`gputrain.tools.plan.memory` predicts one step's tensor memory per device.
-"""
+"""``gputrain plan`` and ``--strategy auto``: predicted memory per device and step time of each way to run a recipe,
+before the run (docs/plan.md). ``workload`` is the run's step, ``memory`` counts it on fake tensors, ``timing``
+measures real steps, ``plans`` predicts and chooses, ``command`` prints."""

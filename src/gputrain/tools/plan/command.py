@@ -61,8 +61,8 @@ def _check_devices(device: torch.device, devices: int) -> None:
     if devices < 1:
         raise ValueError(f"--devices {devices}: give 1 or more")
     if device.type == "cuda" and devices > torch.cuda.device_count():
-        raise ValueError(f"--devices {devices} but this machine has {torch.cuda.device_count()} GPU(s); plan for "
-                         f"another machine with --accelerator cpu is not possible either: run plan where the run trains")
+        raise ValueError(f"--devices {devices} but this machine has {torch.cuda.device_count()} GPU(s); give "
+                         f"--devices {torch.cuda.device_count()} or fewer, or plan on the machine the run trains on")
 
 
 def make_report(cfg: RunConfig, *, devices: int, nnodes: int = 1, budget_text: str = "") -> Report:
@@ -85,10 +85,10 @@ def make_report(cfg: RunConfig, *, devices: int, nnodes: int = 1, budget_text: s
     # The probe batch: this device's share of the data-parallel plans, small on a CPU (its time is linear in the
     # batch), and never one whose predicted memory exceeds the budget.
     probe_batch = max(min(g // world or 1, 4 if device.type == "cpu" else g), 2 if has_bn else 1)
-    predicted_probe = _single_memory(work, probe_batch, notes)
+    predicted_probe = memory.step_memory(work, probe_batch)
     while predicted_probe.peak > budget and probe_batch > 1:
         probe_batch //= 2
-        predicted_probe = _single_memory(work, probe_batch, notes)
+        predicted_probe = memory.step_memory(work, probe_batch)
     probe = measure_steps(work, probe_batch)
     overhead = max((probe.cuda_peak_bytes or 0) - predicted_probe.peak, 0) if probe.cuda_peak_bytes else 0
 
@@ -119,10 +119,6 @@ def make_report(cfg: RunConfig, *, devices: int, nnodes: int = 1, budget_text: s
         raise ValueError(f"no plan could be predicted for {cfg.model.name or 'the model'}: {'; '.join(notes)}")
     return Report(found, choose(found), budget, source, str(device), precision, g, notes,
                   time.perf_counter() - started)
-
-
-def _single_memory(work: Workload, batch: int, notes: list[str]) -> memory.StepMemory:
-    return memory.step_memory(work, batch)
 
 
 def _attempt(predict: Any, notes: list[str]) -> Plan | None:
@@ -156,11 +152,8 @@ def format_report(report: Report, title: str) -> str:
     lines = [title] + ["  ".join(x.ljust(w) if c < 5 else x.rjust(w) for c, (x, w) in enumerate(zip(r, widths,
                                                                                                strict=True)))
                        for r in rows]
-    if len(report.plans) > 1 and any(len(p.per_device) > 1 and len({m.peak for m in p.per_device}) > 1
-                                     for p in report.plans):
-        for p in report.plans:
-            if len({m.peak for m in p.per_device}) > 1:
-                lines.append(f"  {p.label} per stage: " + ", ".join(format_bytes(m.peak) for m in p.per_device))
+    lines += [f"  {p.label} per stage: " + ", ".join(format_bytes(m.peak) for m in p.per_device)
+              for p in report.plans if len({m.peak for m in p.per_device}) > 1]
     lines += [f"note: {n}" for n in report.notes]
     lines.append(f"chosen: {why(report.chosen, report.plans)}" if report.chosen else no_plan_line(report))
     lines.append(f"planned in {report.seconds:.1f} s; memory counted on fake tensors, time from measured steps "
@@ -178,12 +171,16 @@ def no_plan_line(report: Report) -> str:
 
 
 def cmd_plan(cfg: RunConfig, *, recipe: str, devices: int, nnodes: int, budget_text: str, json_path: str) -> int:
+    if json_path:  # before the planning: a folder that cannot be made answers at once
+        try:
+            Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise ValueError(f"--json {json_path}: cannot write there ({err.strerror}); give a writable path") from None
     report = make_report(cfg, devices=devices, nnodes=nnodes, budget_text=budget_text)
     title = (f"gputrain plan: {recipe} on {devices * nnodes} x {report.device}, global batch {report.global_batch}, "
              f"precision {report.precision}, budget {format_bytes(report.budget)} per device ({report.budget_source})")
     print(format_report(report, title), flush=True)
     if json_path:
-        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
         Path(json_path).write_text(json.dumps(report.as_json(), indent=2) + "\n")
     return 0 if report.chosen else 2
 

@@ -110,49 +110,45 @@ def step_memory(work: Workload, batch_size: int) -> StepMemory:
     """One whole-model training step at ``batch_size`` on one device (single, DDP's replica, model_parallel on a CPU).
 
     A model that cannot run on fake tensors (Mask R-CNN: how many boxes survive depends on values) is measured
-    instead: one real step at ``batch_size`` on the device, counted by ``MemTracker``, said in the plan's notes.
+    instead: a real step at ``batch_size`` on the device, counted the same way, said in the plan's notes (and fake
+    tensors are not tried again for it).
     """
-    try:
-        return _fake_step_memory(work, batch_size)
-    except UnprofilableModel as err:
-        work.notes.add(f"{err}; its memory is measured by real steps instead (slower to plan, same figures)")
-        return measured_step_memory(work, batch_size)
+    if work.runs_on_fake_tensors:
+        try:
+            return _guarded(f"model {type(work.model).__name__}", lambda: _fake_step_memory(work, batch_size))
+        except UnprofilableModel as err:
+            work.runs_on_fake_tensors = False
+            work.notes.add(f"{err}; its memory is measured by real steps instead (slower to plan, same figures)")
+    return measured_step_memory(work, batch_size)
+
+
+def _counted_step(work: Workload, model: nn.Module, inputs: Any, targets: Any) -> StepMemory:
+    """Two training steps; the second counted by ``MemTracker`` at its peak (the first makes the optimizer state)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    optimizer = work.optimizer(model)
+    work.train_step(model, optimizer, inputs, targets)
+    tracker = MemTracker()
+    tracker.track_external(model, optimizer)
+    with tracker:
+        work.train_step(model, optimizer, inputs, targets)
+    return parts_of(tracker.get_tracker_snapshot("peak"))
 
 
 def measured_step_memory(work: Workload, batch_size: int) -> StepMemory:
     """A real training step of a copy of the model, counted as :func:`step_memory` counts a fake one."""
-    from torch.distributed._tools.mem_tracker import MemTracker
-
     from gputrain.strategies.base import move_to_device
 
     model = copy.deepcopy(work.model).to(work.device).train()
-    optimizer = work.optimizer(model)
     inputs, targets = move_to_device(work.batch(batch_size), work.device)
     with torch.random.fork_rng(devices=[work.device] if work.device.type == "cuda" else []):
-        work.train_step(model, optimizer, inputs, targets)
-        tracker = MemTracker()
-        tracker.track_external(model, optimizer)
-        with tracker:
-            work.train_step(model, optimizer, inputs, targets)
-    return parts_of(tracker.get_tracker_snapshot("peak"))
+        return _counted_step(work, model, inputs, targets)
 
 
 def _fake_step_memory(work: Workload, batch_size: int) -> StepMemory:
-
-    def run() -> StepMemory:
-        from torch.distributed._tools.mem_tracker import MemTracker
-
-        with _fake(work, work.model) as (model, fake):
-            inputs, targets = fake(work.batch(batch_size))
-            optimizer = work.optimizer(model)
-            work.train_step(model, optimizer, inputs, targets)  # the optimizer state exists from here on
-            tracker = MemTracker()
-            tracker.track_external(model, optimizer)
-            with tracker:
-                work.train_step(model, optimizer, inputs, targets)
-            return parts_of(tracker.get_tracker_snapshot("peak"))
-
-    return _guarded(f"model {type(work.model).__name__}", run)
+    with _fake(work, work.model) as (model, fake):
+        inputs, targets = fake(work.batch(batch_size))
+        return _counted_step(work, model, inputs, targets)
 
 
 def fsdp_memory(work: Workload, batch_size: int, world_size: int, units: Sequence[str]) -> StepMemory:
@@ -187,9 +183,11 @@ def fsdp_memory(work: Workload, batch_size: int, world_size: int, units: Sequenc
 
 
 def in_flight_limit(stages: int, stage: int, micro_batches: int, schedule: str) -> int:
-    """Micro-batches whose activations stage ``stage`` (0-based) holds at once: all of them under GPipe; under
-    1F1B the stage starts backwards once ``stages - stage`` are in flight."""
-    return micro_batches if schedule == "gpipe" else min(micro_batches, stages - stage)
+    """Micro-batches whose activations stage ``stage`` (0-based) holds at once: the partitioner's activation scale
+    (all of them under GPipe; under 1F1B the stage starts backwards once ``stages - stage`` are in flight)."""
+    from gputrain.parallel.plan import activation_scale
+
+    return round(activation_scale(stages, micro_batches, schedule)[stage] * micro_batches)
 
 
 def stage_memory(work: Workload, split: Sequence[int], stage: int, *, batch_size: int, micro_batches: int,
@@ -248,16 +246,3 @@ def stage_memory(work: Workload, split: Sequence[int], stage: int, *, batch_size
             return parts_of(tracker.get_tracker_snapshot("peak"))
 
     return _guarded(f"stage {stage + 1} of {type(work.model).__name__}", run)
-
-
-def batch_bytes(batch: Any) -> int:
-    total = 0
-
-    def add(t: Any) -> Any:
-        nonlocal total
-        if isinstance(t, torch.Tensor):
-            total += t.numel() * t.element_size()
-        return t
-
-    tree_map(add, batch)
-    return total

@@ -10,7 +10,7 @@ plan's samples per device, stage shares from the block profile, plus the collect
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from gputrain.tools.plan import memory
@@ -39,7 +39,6 @@ class Plan:
     split_points: tuple[str, ...] = ()
     max_global_batch: int = 0
     """The largest global batch predicted to fit the budget with the margin (0: none)."""
-    notes: tuple[str, ...] = field(default=())
 
     @property
     def peak(self) -> int:
@@ -157,48 +156,38 @@ class Planner:
         return Plan("fsdp", n, self.global_batch, b, (mem,) * n, compute + exposed, self.budget,
                     max_global_batch=largest)
 
-    def split(self, strategy: str, schedule: str, split: Sequence[int]) -> Plan:
-        """pipeline (``schedule`` gpipe or 1f1b) or model_parallel (its micro-batches run as GPipe's)."""
-        assert self.shares is not None
-        k, m, g = self.devices, self.micro_batches, self.global_batch
-        run_as = schedule or "gpipe"
-
-        def stages_at(batch: int) -> list[StepMemory]:
-            return [memory.stage_memory(self.work, split, s, batch_size=batch, micro_batches=m, schedule=run_as)
-                    for s in range(k)]
-
-        whole = sum(p.numel() * p.element_size() for p in self.work.model.parameters())
+    def _stage_memory(self, strategy: str, schedule: str, split: Sequence[int], batch: int) -> list[StepMemory]:
+        """Each stage's device at ``batch`` (model_parallel's micro-batches run as GPipe's)."""
         if self.device_type == "cpu" and strategy == "model_parallel":
             # Every stage is on the one CPU: one process holding all of them, the whole batch's activations alive.
-            def stages_at(batch: int) -> list[StepMemory]:
-                return [memory.step_memory(self.work, batch)]
-        elif self.device_type == "cpu":
-            # A pipeline rank keeps the whole model object on the CPU (the weights of other stages too).
-            on_stage = stages_at
+            return [memory.step_memory(self.work, batch)]
+        stages = [memory.stage_memory(self.work, split, s, batch_size=batch, micro_batches=self.micro_batches,
+                                      schedule=schedule or "gpipe") for s in range(self.devices)]
+        if self.device_type == "cpu":  # a pipeline rank keeps the whole model object on the CPU, other stages too
+            whole = sum(p.numel() * p.element_size() for p in self.work.model.parameters())
+            stages = [s.plus(parameters=whole - s.parameters) for s in stages]
+        return stages
 
-            def stages_at(batch: int) -> list[StepMemory]:
-                return [s.plus(parameters=whole - s.parameters) for s in on_stage(batch)]
-        raw = stages_at(g)
-        per_stage = [self._with_overhead(s) for s in raw]
-        bounds = [0, *split, len(self.shares.time)]
+    def split(self, strategy: str, schedule: str, split: Sequence[int]) -> Plan:
+        """pipeline (``schedule`` gpipe or 1f1b) or model_parallel (``schedule`` empty)."""
+        assert self.shares is not None
+        k, m, g = self.devices, self.micro_batches, self.global_batch
+        per_stage = [self._with_overhead(s) for s in self._stage_memory(strategy, schedule, split, g)]
         micro = g / m
         if self.device_type == "cpu":
             step = self._compute_s(g)
         else:
+            bounds = [0, *split, len(self.shares.time)]
             stage_s = [self.probe.step_at(micro) * sum(self.shares.time[a:b])
                        for a, b in zip(bounds, bounds[1:], strict=False)]
             step = sum(stage_s) + (m - 1) * max(stage_s)  # fill and drain, then the slowest stage's pace
-        boundary = sum(self.shares.output_bytes_per_sample[i - 1] for i in split) * micro
-        step += 2 * m * send_s(boundary, self.device_type) if self.device_type != "cpu" else 0.0
-        largest = 0
-        if m <= g:
-            peaks = {g: max(s.peak for s in raw), 2 * g: max(s.peak for s in stages_at(2 * g))}
-            slope = max(peaks[2 * g] - peaks[g], 1) / g
-            room = self.budget * (1 - MARGIN) - self.cuda_overhead - (peaks[g] - slope * g)
-            largest = max(int(room / slope), 0)
-        names = self.shares.names
+            boundary = sum(self.shares.output_bytes_per_sample[i - 1] for i in split) * micro
+            step += 2 * m * send_s(boundary, self.device_type)  # activations forward, their gradients back
+        largest = _largest(max(s.peak for s in per_stage),
+                           lambda b: max(s.peak for s in self._stage_memory(strategy, schedule, split, b))
+                           + self.cuda_overhead, 1, g, self.budget)
         return Plan(strategy, k, g, g, tuple(per_stage), step, self.budget, micro_batches=m, schedule=schedule,
-                    split_points=tuple(names[i] for i in split), max_global_batch=largest)
+                    split_points=tuple(self.shares.names[i] for i in split), max_global_batch=largest)
 
 
 def choose(plans: Sequence[Plan]) -> Plan | None:

@@ -34,6 +34,8 @@ class Workload:
     _collate: Any = field(default=None, repr=False)
     notes: set[str] = field(default_factory=set)
     """What the plan's reader should know about how figures were obtained."""
+    runs_on_fake_tensors: bool = True
+    """False once a fake step failed: the model's memory is then measured by real steps."""
 
     @classmethod
     def from_config(cls, cfg: RunConfig, device: torch.device, precision: str, count: int = 8) -> Workload:
