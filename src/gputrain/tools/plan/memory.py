@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -162,6 +163,7 @@ def fsdp_memory(work: Workload, batch_size: int, world_size: int, units: Sequenc
 
         if dist.is_initialized():
             raise RuntimeError("predicting FSDP memory makes a fake process group: run it outside a training job")
+        hook = sys.excepthook  # init_process_group wraps it to prefix "[rank0]:"; this process is no rank
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
         try:
             mesh = init_device_mesh(work.device.type, (world_size,))  # outside fake mode: a mesh holds real groups
@@ -178,6 +180,7 @@ def fsdp_memory(work: Workload, batch_size: int, world_size: int, units: Sequenc
                 return parts_of(tracker.get_tracker_snapshot("peak"))
         finally:
             dist.destroy_process_group()
+            sys.excepthook = hook
 
     return _guarded(f"model {type(work.model).__name__} under FSDP", run)
 
