@@ -859,6 +859,14 @@ FAULTS: tuple[Fault, ...] = (
     Fault("[30] --strategy auto trains the recipe's batch per process, not the planned one", "src/gputrain/tools/plan/plans.py",
           (('f"trainer.batch_size={self.batch_size}",', 'f"trainer.batch_size={self.global_batch}",'),),
           ("tests/e2e/test_plan.py::test_the_choice_keeps_the_margin_and_prefers_the_fastest",)),
+    Fault("[30] DDP planned with a second gradient copy beside its buckets", "src/gputrain/tools/plan/plans.py",
+          (("memory.step_memory(self.work, b, held_gradients=True))",
+            "memory.step_memory(self.work, b, held_gradients=True)).plus(other=buckets)"),),
+          ("tests/e2e/test_plan_measured.py::test_each_ranks_measured_memory_is_within_10_percent_of_the_plan",)),
+    Fault("[30] memory.json gives every rank rank 0's measure", "src/gputrain/engine/callbacks/memory.py",
+          (("ranks = comm.all_gather_objects(self.measured)",
+            "ranks = [dict(self.measured or {}, rank=r) for r in range(ctx.dist.world_size)]"),),
+          ("tests/e2e/test_plan_measured.py::test_each_ranks_measured_memory_is_within_10_percent_of_the_plan",)),
 )
 
 

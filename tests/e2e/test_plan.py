@@ -82,13 +82,21 @@ def test_auto_chooses_a_plan_under_a_budget_that_single_exceeds_and_trains_it(pl
     out = tmp_path / "auto"
     done = gputrain("train", "autoencoder", "--data-root", str(frames), "--devices", "2", "--accelerator", "cpu",
                     "--batch-size", "16", "--strategy", "auto", "--memory-budget", str(budget), "--epochs", "1",
-                    "--out", str(out), "trainer.progress_bar=false")
+                    "--out", str(out), "trainer.progress_bar=false", "trainer.measure_memory=true")
     assert done.returncode == 0, done.stderr[-3000:]
     line = next(x for x in done.stdout.splitlines() if "--strategy auto chose" in x)
+    # What each rank measured over its first steps stays under the budget the plan was chosen for.
+    measured = json.loads((out / "memory.json").read_text())["ranks"]
+    assert len(measured) == (1 if saved_strategy(out) == "model_parallel" else 2)
+    assert all(0 < r["peak_bytes"] <= budget for r in measured), (measured, budget)
     saved = yaml.safe_load((out / "config.yaml").read_text())["trainer"]
     assert saved["strategy"] not in ("auto", "single") and saved["strategy"] in line
     assert saved["batch_size"] == (8 if saved["strategy"] in ("ddp", "fsdp") else 16)  # the same global batch, 16
     assert (out / "summary.json").exists()
+
+
+def saved_strategy(out: Path) -> str:
+    return yaml.safe_load((out / "config.yaml").read_text())["trainer"]["strategy"]
 
 
 def test_auto_with_a_budget_no_plan_fits_is_one_line_before_any_worker(frames, tmp_path):

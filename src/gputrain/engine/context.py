@@ -25,7 +25,8 @@ def build_context(loop: Loop, *, config_dict: dict[str, Any], out: Path, resumed
     return RunContext(
         cfg=loop.cfg, config_dict=config_dict, dist=loop.dist, out=out, resumed=resumed,
         steps_per_epoch=loop.steps_per_epoch, global_batch=loop.global_batch, strategy=loop.strategy.name,
-        model=loop.strategy.unwrap(loop.module), initial_lr=float(group.get("initial_lr", group["lr"])),
+        model=loop.strategy.unwrap(loop.module), optimizer=loop.optimizer,
+        initial_lr=float(group.get("initial_lr", group["lr"])),
         _progress=progress, _save=save,
         _wait=checkpointer.wait if checkpointer is not None else lambda: None,
         _pictures=lambda count: sample_pictures(loop, count),

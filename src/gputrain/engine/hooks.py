@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    import torch
     from torch import nn
 
     from gputrain.checkpoint.state import TrainState
@@ -40,6 +41,8 @@ class RunContext:
     """The strategy's name."""
     model: nn.Module
     """The user's model inside whatever wrapper the strategy added: to read or attach probes to, not to replace."""
+    optimizer: torch.optim.Optimizer | None
+    """The run's optimizer (None in evaluation alone): to read, not to step or replace."""
     initial_lr: float
     """The first parameter group's learning rate before any schedule (after ``optim.scale_lr``)."""
     _progress: Callable[[], TrainState]

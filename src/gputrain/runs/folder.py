@@ -29,7 +29,7 @@ LATEST = "latest"
 RUN_MARKER = ".gputrain"
 """Written into every folder gputrain creates for a run (and a benchmark's runs): what ``--overwrite`` looks for."""
 
-OWNED_FILES = frozenset({RUN_MARKER, "config.yaml", "metrics.jsonl", "metrics.csv", "summary.json", "eval.json",
+OWNED_FILES = frozenset({RUN_MARKER, "config.yaml", "metrics.jsonl", "metrics.csv", "summary.json", "memory.json", "eval.json",
                          "predictions.json", "curves.png", "samples.png", "scale.json", "scale.md", "scale.png",
                          "throughput.json"})
 """The files gputrain writes at the top of a run folder (and of ``bench`` folders)."""

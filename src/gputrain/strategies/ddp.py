@@ -45,9 +45,11 @@ class DDP(Strategy):
         # collective that a rank without samples in the epoch's last step would not join. Training
         # forward normalises with batch statistics, so only evaluation and checkpoints read the
         # running buffers, and prepare_eval gives every rank rank 0's (the ones a checkpoint saves).
+        # gradient_as_bucket_view: the gradients are views into DDP's all-reduce buckets instead of a second
+        # copy beside them, one model's worth of gradient memory less per rank (set_to_none re-points them).
         return DistributedDataParallel(
             model, device_ids=device_ids, find_unused_parameters=self.find_unused_parameters,
-            static_graph=self.static_graph, forward_sync_buffers=False,
+            static_graph=self.static_graph, forward_sync_buffers=False, gradient_as_bucket_view=True,
         )
 
     def eval_module(self, module: nn.Module) -> nn.Module:

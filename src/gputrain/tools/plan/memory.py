@@ -25,11 +25,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_map
 
+from gputrain.engine.callbacks.memory import memory_parts
 from gputrain.tools.plan.workload import Workload
 
-PARTS = ("parameters", "gradients", "optimizer", "activations", "other")
 
 
 @dataclass(frozen=True)
@@ -43,40 +43,22 @@ class StepMemory:
     activations: int
     """Saved for backward, and the backward's temporaries."""
     other: int
-    """The batch, DDP's gradient buckets, anything else."""
+    """The batch, anything else."""
 
     @property
     def peak(self) -> int:
         return self.parameters + self.gradients + self.optimizer + self.activations + self.other
 
     def as_dict(self) -> dict[str, int]:
-        return {name: getattr(self, name) for name in PARTS}
+        return dataclasses.asdict(self)
 
     def plus(self, **extra: int) -> StepMemory:
         return dataclasses.replace(self, **{k: getattr(self, k) + v for k, v in extra.items()})
 
 
-# MemTracker's and FSDPMemTracker's kinds, as StepMemory's fields.
-_KINDS = {
-    "Parameter": "parameters", "Buffer": "parameters", "Sharded Param": "parameters",
-    "Unsharded Param": "parameters", "All Gather": "parameters",
-    "Gradient": "gradients", "Sharded Grad": "gradients", "Unsharded Grad": "gradients",
-    "Reduce Scatter": "gradients",
-    "Optstate": "optimizer", "OptState": "optimizer",
-    "Activation": "activations", "Temp": "activations",
-    "Inputs": "other", "Other": "other",
-}
-
-
 def parts_of(snapshot: dict[Any, dict[Any, int]]) -> StepMemory:
-    """A ``MemTracker`` snapshot (per device, per kind) summed into :class:`StepMemory`."""
-    totals = dict.fromkeys(PARTS, 0)
-    for by_kind in snapshot.values():
-        for kind, size in by_kind.items():
-            name = getattr(kind, "value", kind)
-            if name != "Total":
-                totals[_KINDS.get(name, "other")] += size
-    return StepMemory(**totals)
+    """A ``MemTracker`` snapshot (per device, per kind) as :class:`StepMemory` (the parts a run's measure names)."""
+    return StepMemory(**memory_parts(snapshot))
 
 
 class UnprofilableModel(ValueError):
@@ -107,8 +89,11 @@ def _guarded(what: str, run: Callable[[], StepMemory]) -> StepMemory:
         raise UnprofilableModel(f"{what} cannot run on fake tensors ({type(err).__name__}: {first[:160]})") from err
 
 
-def step_memory(work: Workload, batch_size: int) -> StepMemory:
+def step_memory(work: Workload, batch_size: int, *, held_gradients: bool = False) -> StepMemory:
     """One whole-model training step at ``batch_size`` on one device (single, DDP's replica, model_parallel on a CPU).
+
+    ``held_gradients``: every gradient is allocated for the whole step, as DDP's buckets hold them (its gradients
+    are views into the buckets), instead of appearing during the backward.
 
     A model that cannot run on fake tensors (Mask R-CNN: how many boxes survive depends on values) is measured
     instead: a real step at ``batch_size`` on the device, counted the same way, said in the plan's notes (and fake
@@ -116,40 +101,47 @@ def step_memory(work: Workload, batch_size: int) -> StepMemory:
     """
     if work.runs_on_fake_tensors:
         try:
-            return _guarded(f"model {type(work.model).__name__}", lambda: _fake_step_memory(work, batch_size))
+            return _guarded(f"model {type(work.model).__name__}",
+                            lambda: _fake_step_memory(work, batch_size, held_gradients))
         except UnprofilableModel as err:
             work.runs_on_fake_tensors = False
             work.notes.add(f"{err}; its memory is measured by real steps instead (slower to plan, same figures)")
-    return measured_step_memory(work, batch_size)
+    return measured_step_memory(work, batch_size, held_gradients)
 
 
-def _counted_step(work: Workload, model: nn.Module, inputs: Any, targets: Any) -> StepMemory:
-    """Two training steps; the second counted by ``MemTracker`` at its peak (the first makes the optimizer state)."""
+def _counted_step(work: Workload, model: nn.Module, inputs: Any, targets: Any, held_gradients: bool) -> StepMemory:
+    """Two training steps; the second counted by ``MemTracker`` at its peak (the first makes the optimizer state).
+    The batch counts as the run's does: it is on the device during the step."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
     optimizer = work.optimizer(model)
     work.train_step(model, optimizer, inputs, targets)
+    if held_gradients:
+        for p in model.parameters():
+            if p.requires_grad:
+                p.grad = torch.zeros_like(p)
     tracker = MemTracker()
-    tracker.track_external(model, optimizer)
+    tracker.track_external(model, optimizer, *[t for t in tree_flatten((inputs, targets))[0]
+                                               if isinstance(t, torch.Tensor)])
     with tracker:
         work.train_step(model, optimizer, inputs, targets)
     return parts_of(tracker.get_tracker_snapshot("peak"))
 
 
-def measured_step_memory(work: Workload, batch_size: int) -> StepMemory:
+def measured_step_memory(work: Workload, batch_size: int, held_gradients: bool = False) -> StepMemory:
     """A real training step of a copy of the model, counted as :func:`step_memory` counts a fake one."""
     from gputrain.strategies.base import move_to_device
 
     model = copy.deepcopy(work.model).to(work.device).train()
     inputs, targets = move_to_device(work.batch(batch_size), work.device)
     with torch.random.fork_rng(devices=[work.device] if work.device.type == "cuda" else []):
-        return _counted_step(work, model, inputs, targets)
+        return _counted_step(work, model, inputs, targets, held_gradients)
 
 
-def _fake_step_memory(work: Workload, batch_size: int) -> StepMemory:
+def _fake_step_memory(work: Workload, batch_size: int, held_gradients: bool) -> StepMemory:
     with _fake(work, work.model) as (model, fake):
         inputs, targets = fake(work.batch(batch_size))
-        return _counted_step(work, model, inputs, targets)
+        return _counted_step(work, model, inputs, targets, held_gradients)
 
 
 def fsdp_memory(work: Workload, batch_size: int, world_size: int, units: Sequence[str]) -> StepMemory:

@@ -130,12 +130,13 @@ class Planner:
 
     def ddp(self) -> Plan:
         n, b = self.devices, self.global_batch // self.devices
-        buckets = self._grad_bytes()  # gradient_as_bucket_view=False: one flat copy of the gradients
-        mem = self._with_overhead(memory.step_memory(self.work, b)).plus(other=buckets)
+        buckets = self._grad_bytes()
+        # The gradients are views into DDP's buckets: all of them allocated for the whole step.
+        mem = self._with_overhead(memory.step_memory(self.work, b, held_gradients=True))
         compute = self._compute_s(b)
         comm = allreduce_s(buckets, n, self.device_type)
         exposed = max(allreduce_s(min(buckets, DDP_BUCKET_BYTES), n, self.device_type), comm - compute * 2 / 3)
-        largest = n * _largest(mem.peak, lambda k: memory.step_memory(self.work, k).peak + buckets
+        largest = n * _largest(mem.peak, lambda k: memory.step_memory(self.work, k, held_gradients=True).peak
                                + self.cuda_overhead, 1, b, self.budget)
         return Plan("ddp", n, self.global_batch, b, (mem,) * n, compute + exposed, self.budget,
                     max_global_batch=largest)

@@ -1,0 +1,68 @@
+"""``gputrain plan``'s per-device memory against what 2 real gloo ranks measure training the same plan (issue 30).
+
+Each plan is trained exactly as ``--strategy auto`` would hand it to the ranks (its own overrides), with
+``trainer.measure_memory=true``: every rank counts the live tensors of its first two steps (MemTracker,
+FSDPMemTracker, or the live-storage count for pipeline stages), and each rank's count must be within 10 % of the
+plan's figure for that device.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gputrain.data.cifar10 import make_cifar10
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+RECIPE = ["cifar10-resnet18", "data.image_size=32", "optim.name=adam"]
+
+
+def gputrain(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "gputrain", *args], capture_output=True, text=True, env=ENV)
+
+
+@pytest.fixture(scope="module")
+def planned(tmp_path_factory) -> dict:
+    tmp = tmp_path_factory.mktemp("measured")
+    root = make_cifar10(tmp / "cifar", train_per_class=4, test_per_class=1)
+    out = tmp / "plan.json"
+    done = gputrain("plan", *RECIPE, "--data-root", str(root), "--devices", "2", "--accelerator", "cpu",
+                    "--batch-size", "8", "--json", str(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    plans = {p["strategy"] + (f"-{p['schedule']}" if p["strategy"] == "pipeline" else ""): p
+             for p in json.loads(out.read_text())["plans"]}
+    return {"root": root, "plans": plans}
+
+
+def overrides(plan: dict) -> list[str]:
+    """What ``--strategy auto`` hands the ranks for ``plan`` (Plan.overrides)."""
+    out = [f"trainer.strategy={plan['strategy']}", f"trainer.batch_size={plan['batch_size']}"]
+    if plan["strategy"] == "pipeline":
+        out += [f"parallel.micro_batches={plan['micro_batches']}", f"parallel.schedule={plan['schedule']}",
+                f"parallel.split_points=[{','.join(plan['split_points'])}]"]
+    return out
+
+
+@pytest.mark.parametrize("name", ["ddp", "fsdp", "pipeline-gpipe", "pipeline-1f1b"])
+def test_each_ranks_measured_memory_is_within_10_percent_of_the_plan(planned, name, tmp_path):
+    plan = planned["plans"][name]
+    run = tmp_path / name
+    done = gputrain("train", *RECIPE, *overrides(plan), "--data-root", str(planned["root"]), "--devices", "2",
+                    "--accelerator", "cpu", "--epochs", "1", "--out", str(run), "trainer.max_steps_per_epoch=2",
+                    "trainer.measure_memory=true", "trainer.enable_checkpointing=false", "trainer.loggers=[]",
+                    "trainer.pictures=0", "trainer.progress_bar=false")
+    assert done.returncode == 0, done.stderr[-3000:]
+    ranks = sorted(json.loads((run / "memory.json").read_text())["ranks"], key=lambda r: r["rank"])
+    predicted = plan["per_device_memory_bytes"]
+    assert [r["rank"] for r in ranks] == [0, 1] and all(r["steps"] == 2 for r in ranks)
+    for rank, want in zip(ranks, predicted, strict=True):
+        assert abs(rank["peak_bytes"] - want) <= 0.10 * rank["peak_bytes"], (name, rank, want)
+    if name != "ddp" and name != "fsdp":
+        # A pipeline's stages differ: the first holds activations, the last most of the weights; each is its own.
+        assert predicted[0] != predicted[1]
+    assert "memory: peak" in done.stdout
