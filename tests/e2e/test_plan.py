@@ -52,6 +52,14 @@ def test_fake_step_equals_memtrackers_count_of_a_real_step(tmp_path):
         assert predicted.activations > 0 and predicted.parameters >= weights
 
 
+def test_fake_step_counts_the_unreduced_storage_a_real_mse_loss_keeps(frames):
+    # The real mse_loss returns its scalar on a storage of the image batch's size; its meta kernel on a fresh scalar.
+    work = Workload.from_config(load_config("autoencoder", [f"data.root={frames}"]), torch.device("cpu"), "32")
+    for batch in (4, 8):
+        predicted = memory.step_memory(work, batch)
+        assert predicted == memory.measured_step_memory(work, batch)
+
+
 def test_plan_lists_every_plan_for_two_devices_with_the_json_fields(planned):
     plans = {p["strategy"] + (f"-{p['schedule']}" if p["strategy"] == "pipeline" else ""): p
              for p in planned["json"]["plans"]}

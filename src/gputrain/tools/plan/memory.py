@@ -25,11 +25,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from gputrain.engine.callbacks.memory import memory_parts
 from gputrain.tools.plan.workload import Workload
-
 
 
 @dataclass(frozen=True)
@@ -65,13 +65,37 @@ class UnprofilableModel(ValueError):
     """The model cannot take a step on fake tensors (an op whose output shape depends on values)."""
 
 
+class _ReducedLossStorage(TorchDispatchMode):
+    """Gives a reduced loss the storage its real kernel leaves it, which the fake kernel does not.
+
+    These kernels (CPU and CUDA alike: mse_loss and smooth_l1_loss are structured TensorIterator ops, the other two
+    reduce in place) write the elementwise loss into their output, then reduce it and ``resize_`` that output to a
+    scalar: the scalar loss keeps a storage of the unreduced size until it dies after backward (an autoencoder's
+    MSE: one more image-sized buffer at the peak). Their meta kernels return a fresh scalar; this mode, under the
+    fake mode and above it the trackers, hands the trackers a scalar on a storage of the real size instead.
+    """
+
+    _OPS = frozenset({torch.ops.aten.mse_loss.default, torch.ops.aten.smooth_l1_loss.default,
+                      torch.ops.aten.binary_cross_entropy.default, torch.ops.aten.soft_margin_loss.default})
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func not in self._OPS or out.dim() != 0:  # reduction="none": the output is already elementwise
+            return out
+        if func is torch.ops.aten.smooth_l1_loss.default and kwargs.get("beta", args[3] if len(args) > 3 else 1.0) == 0:
+            return out  # beta=0 is l1_loss, which reduces a temporary into a fresh scalar
+        size = torch.broadcast_shapes(args[0].shape, args[1].shape)
+        return torch.empty(size, dtype=out.dtype, device=out.device).resize_(()).copy_(out)
+
+
 @contextmanager
 def _fake(work: Workload, model: nn.Module) -> Iterator[tuple[nn.Module, Callable[[Any], Any]]]:
     """A fake copy of ``model`` on the run's device, and a function that fakes a batch."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     meta = copy.deepcopy(model).to("meta")
-    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode, _ReducedLossStorage():
         meta.to_empty(device=work.device)
         meta.train()
 
