@@ -12,7 +12,6 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -66,3 +65,33 @@ def test_each_ranks_measured_memory_is_within_10_percent_of_the_plan(planned, na
         # A pipeline's stages differ: the first holds activations, the last most of the weights; each is its own.
         assert predicted[0] != predicted[1]
     assert "memory: peak" in done.stdout
+
+
+def test_doctor_compares_the_plan_with_its_dry_run(planned):
+    done = gputrain("doctor", *RECIPE, "trainer.batch_size=8", "--data-root", str(planned["root"]), "--json")
+    assert done.returncode == 0, done.stderr[-3000:]
+    finding = next(f for f in json.loads(done.stdout)["findings"] if f["check"] == "plan")
+    # Memory is counted the same way on both sides; a CPU's step time is left to the WARN it may give.
+    assert finding["status"] in ("OK", "WARN") and "memory more than" not in finding["what"], finding
+    assert "ddp on 2: predicted" in finding["what"] and "measured no steady step" not in finding["what"]
+
+
+def test_a_prediction_more_than_15_percent_off_is_a_warning():
+    from gputrain.tools.diagnose.outcome import RankOutcome
+    from gputrain.tools.diagnose.plan_check import check_plan
+    from gputrain.tools.plan.memory import StepMemory
+    from gputrain.tools.plan.plans import Plan
+
+    plan = Plan("ddp", 2, 16, 8, (StepMemory(100 * 2**20, 0, 0, 0, 0),), step_s=1.0, budget=2**40)
+    steps = [{"kind": "step", "step": k, "first_of_epoch": k == 1, "wall_s": 1.05, "wait_s": 0.0} for k in (1, 2, 3, 4)]
+    outcomes = [RankOutcome(rank=r, ok=True, records=steps) for r in (0, 1)]
+
+    def measured(mib: float) -> list[dict]:
+        return [{"rank": r, "peak_bytes": int(mib * 2**20)} for r in (0, 1)]
+
+    assert check_plan(plan, measured(110), outcomes).status == "OK"
+    warned = check_plan(plan, measured(80), outcomes)  # predicted 25 % above the measure
+    assert warned.status == "WARN" and "memory more than 15%" in warned.what and "+25%" in warned.what
+    slow = [RankOutcome(rank=0, ok=True, records=[dict(s, wall_s=1.5) for s in steps])]
+    assert "step time more than 15%" in check_plan(plan, measured(100), slow).what
+    assert check_plan("no ddp plan: why", None, outcomes).status == "SKIP"

@@ -217,8 +217,13 @@ class Strategy(ABC):
                 if not task.targets_to_model:
                     self.check_loss_inputs(outputs, micro.targets)
                 loss = task.loss(outputs, micro.targets)
+                # The backward needs what autograd saved, not the outputs: held here they would stay alive through
+                # the whole backward (a segmentation model's full-size logits, an autoencoder's reconstruction).
+                del outputs
             precision.backward(loss * micro.weight)
-        return loss.detach()
+        # A copy, not a view: some losses (mse_loss, smooth_l1) leave their scalar on a storage of the whole
+        # unreduced batch, which a detached view would keep alive until the next micro-batch's loss replaces it.
+        return loss.detach().clone()
 
     def finish_gradients(self, module: nn.Module) -> None:
         """Average gradients over data-parallel ranks by hand, after a step whose last micro-batch left

@@ -177,7 +177,7 @@ class PipelinedModel(nn.Module):
         assert ctx is not None
         loss = ctx.task.loss(output, target)
         size = batch_len(target)
-        ctx.chunk_losses.append((loss.detach(), size))
+        ctx.chunk_losses.append((loss.detach().clone(), size))  # a copy: see Strategy.forward_backward
         return loss * (size / ctx.n * ctx.weight)
 
     def train_step(self, inputs: Any, targets: Any, *, task: Task, weight: float) -> torch.Tensor | None:

@@ -155,9 +155,6 @@ class MemoryHook(Hook):
         if self.steps == MEASURED_STEPS:
             self._stop(ctx)
 
-    def after_epoch(self, ctx: RunContext, metrics: dict[str, float]) -> None:
-        self._stop(ctx)  # an epoch of one step: measure what there was, not the evaluation after it
-
     def _stop(self, ctx: RunContext) -> None:
         if self.measured is not None:
             return

@@ -25,7 +25,7 @@ import torch
 from gputrain.config import RunConfig, TrainerConfig, load_config
 from gputrain.dist import DistInfo
 from gputrain.engine.hooks import Hook, RunContext
-from gputrain.tools.diagnose import doctor_checks, probes
+from gputrain.tools.diagnose import doctor_checks, plan_check, probes
 from gputrain.tools.diagnose.doctor_checks import DoctorReport
 from gputrain.tools.diagnose.outcome import RankOutcome, append_record, open_records
 from gputrain.tools.diagnose.ranks import run_on_ranks
@@ -121,6 +121,7 @@ def dry_run_options(cfg: RunConfig, *, world_size: int, steps: int, out: str, ti
         strategy="ddp" if one_process and world_size > 1 else t.strategy, devices=world_size, accelerator=accelerator,
         epochs=2, max_steps_per_epoch=steps, enable_checkpointing=False, loggers=[], progress_bar=False, out=out,
         eval_every_n_epochs=10**9, timeout_s=timeout_s, resume="", find_unused_parameters=True,
+        measure_memory=True,
     )
     known = {f.name for f in dataclasses.fields(TrainerConfig)}
     return {k: v for k, v in options.items() if k in known}
@@ -173,7 +174,15 @@ def run_doctor(cfg: RunConfig, *, devices: int | None = None, steps: int = 3, ti
         outcomes = run_on_ranks(_doctor_rank, cfg, steps, out, timeout_s, devices=world, accelerator=accelerator,
                                 timeout_s=timeout_s, env=env)
         wall = time.perf_counter() - start
-    return analyse(cfg, outcomes, world_size=world, accelerator=accelerator, steps=steps, wall_s=wall, recipe=recipe)
+        memory = Path(out) / "memory.json"
+        measured = json.loads(memory.read_text())["ranks"] if memory.is_file() else None
+    # Planned after the ranks ended, so that its timing steps do not share the machine with them.
+    options = dry_run_options(cfg, world_size=world, steps=steps, out=out, timeout_s=timeout_s, accelerator=accelerator)
+    plan = plan_check.predict(cfg, options, world, plan_check.trained_batch(outcomes)) if measured else None
+    report = analyse(cfg, outcomes, world_size=world, accelerator=accelerator, steps=steps, wall_s=wall, recipe=recipe)
+    if plan is not None:
+        report.findings.append(plan_check.check_plan(plan, measured, outcomes))
+    return report
 
 
 def cmd_doctor(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:

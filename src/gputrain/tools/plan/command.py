@@ -65,8 +65,9 @@ def _check_devices(device: torch.device, devices: int) -> None:
                          f"--devices {torch.cuda.device_count()} or fewer, or plan on the machine the run trains on")
 
 
-def make_report(cfg: RunConfig, *, devices: int, nnodes: int = 1, budget_text: str = "") -> Report:
-    """Predict every plan for ``devices`` per node of ``nnodes`` nodes and choose one."""
+def make_report(cfg: RunConfig, *, devices: int, nnodes: int = 1, budget_text: str = "", only: str = "") -> Report:
+    """Predict every plan for ``devices`` per node of ``nnodes`` nodes and choose one (``only``: that plan's label
+    alone, e.g. ``ddp`` or ``pipeline-1f1b``, as doctor compares one)."""
     from gputrain.config.resolve import resolve_precision
     from gputrain.strategies.fsdp import shard_units
 
@@ -93,7 +94,8 @@ def make_report(cfg: RunConfig, *, devices: int, nnodes: int = 1, budget_text: s
     overhead = max((probe.cuda_peak_bytes or 0) - predicted_probe.peak, 0) if probe.cuda_peak_bytes else 0
 
     shares, m, split = None, 1, None
-    if world > 1 and nnodes == 1:
+    wanted = (lambda label: not only or label == only)  # noqa: E731
+    if world > 1 and nnodes == 1 and any(wanted(x) for x in ("pipeline-gpipe", "pipeline-1f1b", "model_parallel")):
         m = micro_batch_count(cfg.parallel.micro_batches, world, g, has_bn)
         try:
             shares = block_shares(work, max(g // m, 1))
@@ -104,15 +106,18 @@ def make_report(cfg: RunConfig, *, devices: int, nnodes: int = 1, budget_text: s
         notes.append("pipeline and model_parallel plans are for one node; --nnodes > 1 plans ddp and fsdp")
     planner = Planner(work, world, g, budget, probe, shares, m, fsdp_units=shard_units(work.model),
                       cuda_overhead=overhead)
-    plans = [_attempt(planner.single, notes)]
+    plans = [_attempt(planner.single, notes)] if wanted("single") else []
     if world > 1:
         if g % world:
             notes.append(f"no ddp or fsdp plan: the global batch {g} does not divide over {world} devices")
         else:
-            plans += [_attempt(planner.ddp, notes), _attempt(planner.fsdp, notes)]
+            plans += [_attempt(predict, notes) for label, predict in (("ddp", planner.ddp), ("fsdp", planner.fsdp))
+                      if wanted(label)]
         if shares is not None and split is not None:
-            plans += [_attempt(lambda s=s: planner.split("pipeline", s, split), notes) for s in ("gpipe", "1f1b")]
-            plans.append(_attempt(lambda: planner.split("model_parallel", "", split), notes))
+            plans += [_attempt(lambda s=s: planner.split("pipeline", s, split), notes) for s in ("gpipe", "1f1b")
+                      if wanted(f"pipeline-{s}")]
+            if wanted("model_parallel"):
+                plans.append(_attempt(lambda: planner.split("model_parallel", "", split), notes))
     found = [p for p in plans if p is not None]
     notes += sorted(work.notes)
     if not found:

@@ -133,6 +133,10 @@ def step_memory(work: Workload, batch_size: int, *, held_gradients: bool = False
     return measured_step_memory(work, batch_size, held_gradients)
 
 
+def tensors(tree: Any) -> list[torch.Tensor]:
+    return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
+
+
 def _counted_step(work: Workload, model: nn.Module, inputs: Any, targets: Any, held_gradients: bool) -> StepMemory:
     """Two training steps; the second counted by ``MemTracker`` at its peak (the first makes the optimizer state).
     The batch counts as the run's does: it is on the device during the step."""
@@ -145,8 +149,7 @@ def _counted_step(work: Workload, model: nn.Module, inputs: Any, targets: Any, h
             if p.requires_grad:
                 p.grad = torch.zeros_like(p)
     tracker = MemTracker()
-    tracker.track_external(model, optimizer, *[t for t in tree_flatten((inputs, targets))[0]
-                                               if isinstance(t, torch.Tensor)])
+    tracker.track_external(model, optimizer, *tensors((inputs, targets)))
     with tracker:
         work.train_step(model, optimizer, inputs, targets)
     return parts_of(tracker.get_tracker_snapshot("peak"))
@@ -227,6 +230,11 @@ def stage_memory(work: Workload, split: Sequence[int], stage: int, *, batch_size
             chunks = list(zip(chunk_batch(inputs, size), chunk_batch(targets, size), strict=True))
             with torch.no_grad():  # what each stage receives: the chain's state before it
                 received = [run_blocks(blocks[:split[stage - 1]], x) if stage else x for x, _ in chunks]
+                # What torch's pipelining holds beside the stage: every rank reads the whole batch, and a buffer per
+                # micro-batch for the activations it receives and for the gradients that come back for its outputs.
+                sent = [] if stage == len(split) else [
+                    torch.empty_like(t) for x, _ in chunks for t in tensors(run_blocks(blocks[:split[stage]], x))]
+                buffers = [*tensors((inputs, targets)), *(tensors(received) if stage else []), *sent]
             mine = stages[stage]
             optimizer = work.optimizer(mine)
             limit = in_flight_limit(len(stages), stage, len(chunks), schedule)
@@ -259,7 +267,7 @@ def stage_memory(work: Workload, split: Sequence[int], stage: int, *, batch_size
 
             one_step()
             tracker = MemTracker()
-            tracker.track_external(mine, optimizer)
+            tracker.track_external(mine, optimizer, *buffers)
             with tracker:
                 one_step(tracker)
             return parts_of(tracker.get_tracker_snapshot("peak"))

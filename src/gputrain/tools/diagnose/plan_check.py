@@ -1,0 +1,76 @@
+"""doctor's comparison of ``gputrain plan``'s prediction with what its dry run measured (docs/plan.md).
+
+The dry run measures each rank's memory over its first two steps (``trainer.measure_memory``) and times every
+step; the plan for the same strategy, device count and batch predicts both. Apart by more than
+:data:`TOLERANCE`: a WARN saying which figure, by how much, and what to trust.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from typing import Any
+
+from gputrain.config import RunConfig
+from gputrain.tools.diagnose.doctor_checks import Finding
+from gputrain.tools.diagnose.outcome import RankOutcome
+
+TOLERANCE = 0.15
+MEASURED_STEPS = 2
+"""Steps the memory count slows on a CPU: left out of the step time."""
+
+
+def trained_batch(outcomes: list[RankOutcome]) -> int | None:
+    """The largest batch one rank's step read in the dry run (a data set smaller than the batch gives less)."""
+    sizes = [r["inputs"][0] for o in outcomes for r in o.records if r.get("kind") == "step"
+             and isinstance(r.get("inputs"), list) and r["inputs"] and isinstance(r["inputs"][0], int)]
+    return max(sizes) if sizes else None
+
+
+def predict(cfg: RunConfig, options: dict[str, Any], world_size: int, batch_size: int | None = None) -> Any:
+    """The plan of the dry run as it trained (its strategy, devices and per-rank ``batch_size``), or one line
+    saying why there is none."""
+    from gputrain.tools.plan.command import make_report
+    from gputrain.tools.plan.memory import UnprofilableModel
+
+    strategy = options.get("strategy", cfg.trainer.strategy)
+    label = f"pipeline-{cfg.parallel.schedule}" if strategy == "pipeline" else strategy
+    dry = dataclasses.replace(cfg, trainer=dataclasses.replace(
+        cfg.trainer, strategy=strategy, accelerator=options.get("accelerator", cfg.trainer.accelerator),
+        batch_size=batch_size or cfg.trainer.batch_size))
+    try:
+        report = make_report(dry, devices=world_size, only=label)
+    except (ValueError, UnprofilableModel) as err:
+        return f"no {label} plan could be predicted: {err}"
+    found = [p for p in report.plans if p.label == label]
+    return found[0] if found else f"no {label} plan for {world_size} devices ({'; '.join(report.notes)})"
+
+
+def _apart(measured: float, predicted: float) -> float:
+    return (predicted - measured) / measured if measured else 0.0
+
+
+def check_plan(plan: Any, measured: list[dict[str, Any]] | None, outcomes: list[RankOutcome]) -> Finding:
+    """Predicted per-device memory and step time against the dry run's."""
+    if isinstance(plan, str):
+        return Finding("SKIP", "plan", plan)
+    if not measured:
+        return Finding("SKIP", "plan", "the dry run ended before its memory was measured")
+    ranks = sorted(measured, key=lambda r: r["rank"])
+    memory = [(r["rank"], r["peak_bytes"], want) for r, want in
+              zip(ranks, plan.per_device * len(ranks) if len(plan.per_device) == 1 else plan.per_device, strict=False)]
+    worst_rank, got, want = max(memory, key=lambda m: abs(_apart(m[1], m[2].peak)))
+    mem_off = _apart(got, want.peak)
+    steps = [r["wall_s"] - r["wait_s"] for o in outcomes for r in o.records
+             if r.get("kind") == "step" and r["step"] > MEASURED_STEPS and not r["first_of_epoch"]]
+    step_s = statistics.median(steps) if steps else 0.0
+    time_off = _apart(step_s, plan.step_s) if step_s else 0.0
+    what = (f"{plan.label} on {plan.devices}: predicted {want.peak / 2**20:,.1f} MiB on rank {worst_rank}, measured "
+            f"{got / 2**20:,.1f} MiB ({mem_off:+.0%}); step predicted {plan.step_s * 1e3:.0f} ms, measured "
+            + (f"{step_s * 1e3:.0f} ms ({time_off:+.0%})" if step_s else "no steady step"))
+    off = [name for name, x in (("memory", mem_off), ("step time", time_off)) if abs(x) > TOLERANCE]
+    if not off:
+        return Finding("OK", "plan", what)
+    return Finding("WARN", "plan", f"{' and '.join(off)} more than {TOLERANCE:.0%} from the prediction: {what}",
+                   "trust the measured figures (memory.json of a run with trainer.measure_memory=true); "
+                   "`gputrain plan` has not seen what differs here (docs/plan.md#limits)")
