@@ -33,6 +33,7 @@ from gputrain.data.images import (
     read_image_rgb,
     read_mask,
     shape_mask,
+    to_uint8,
 )
 
 SPLITS = ("training", "validation")
@@ -72,6 +73,8 @@ def segmentation_transform(
             v2.ToDtype({tv_tensors.Image: torch.float32, "others": None}, scale=True),
             v2.Normalize(list(IMAGENET_MEAN), list(IMAGENET_STD)),
         ]
+    else:
+        steps.append(v2.Lambda(to_uint8, tv_tensors.Image))  # a 16-bit PNG's image to uint8; masks keep their ids
     return v2.Compose(steps)
 
 

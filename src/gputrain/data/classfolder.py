@@ -34,6 +34,7 @@ from gputrain.data.images import (
     normalize_transform,
     read_image_rgb,
     seeded_split,
+    to_uint8,
 )
 
 Transform = Callable[[Tensor], Any]
@@ -48,7 +49,7 @@ def classification_transform(size: int, *, train: bool, normalize: bool = True) 
         if train
         else [v2.Resize(size, antialias=True), v2.CenterCrop(size)]
     )
-    return v2.Compose([*geometry, *([normalize_transform(IMAGENET_MEAN, IMAGENET_STD)] if normalize else [])])
+    return v2.Compose([*geometry, normalize_transform(IMAGENET_MEAN, IMAGENET_STD) if normalize else to_uint8])
 
 
 class ClassFolder(ImageFolder):

@@ -26,7 +26,7 @@ from torch import Tensor
 from torch.utils.data import Dataset
 from torchvision import tv_tensors
 
-from gputrain.data.images import DataError, PathLike, read_image_rgb, seeded_split, to_unit_float
+from gputrain.data.images import DataError, PathLike, read_image_rgb, seeded_split, to_uint8, to_unit_float
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +108,7 @@ def check_target(
 class COCODetection(Dataset[tuple[Tensor, Target]]):
     """``(image float (3, H, W) in [0, 1], target)`` with target keys ``boxes`` (float N×4 xyxy), ``labels``
     (int64, 1..K), ``masks`` (uint8 N×H×W), ``image_id`` (int), ``area`` and ``iscrowd``. ``uint8`` hands over the
-    image before the division by 255 (data.normalize_on_device: the training device divides).
+    image as ``uint8`` before the division by 255 (data.normalize_on_device: the training device divides).
 
     Category ids are mapped, in increasing order, to contiguous labels ``1..K`` (0 is background);
     ``label_to_category`` maps back for writing detections in COCO format. ``transforms``, if given, is
@@ -224,7 +224,7 @@ class COCODetection(Dataset[tuple[Tensor, Target]]):
         masks = np.zeros((0, height, width), np.uint8)
         if anns:
             masks = np.stack([self._mask(a, height, width) for a in anns])
-        image = raw if self.uint8 else to_unit_float(raw)
+        image = to_uint8(raw) if self.uint8 else to_unit_float(raw)
         target: Target = {
             "boxes": torch.tensor([a.box for a in anns], dtype=torch.float32).reshape(-1, 4),
             "labels": torch.tensor([a.label for a in anns], dtype=torch.int64),

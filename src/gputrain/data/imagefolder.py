@@ -10,7 +10,7 @@ import torchvision.transforms.v2.functional as TF
 from torch.utils.data import Dataset
 from torchcodec.encoders import JpegEncoder, PngEncoder
 
-from gputrain.data.images import DECODABLE_SUFFIXES, DataError, read_image_rgb, to_unit_float
+from gputrain.data.images import DECODABLE_SUFFIXES, DataError, read_image_rgb, to_uint8, to_unit_float
 from gputrain.data.images import image_size as header_size
 
 IMAGE_SUFFIXES = DECODABLE_SUFFIXES  # what read_image_rgb can decode
@@ -52,7 +52,7 @@ class ImageFiles(Dataset[torch.Tensor]):
     """Images as float CHW tensors in [0, 1]; labels (sub-folders) are ignored.
 
     With ``image_size`` 0 the files' own size is kept, so they must all have one size (checked here). ``uint8``
-    hands over the pixels before the division by 255 (data.normalize_on_device: the training device divides).
+    hands over ``uint8`` pixels before the division by 255 (data.normalize_on_device: the training device divides).
     """
 
     def __init__(self, files: list[Path], image_size: int = 0, *, uint8: bool = False) -> None:
@@ -69,7 +69,7 @@ class ImageFiles(Dataset[torch.Tensor]):
         image = read_image_rgb(self.files[index])
         if self.image_size:
             image = TF.resize(image, [self.image_size, self.image_size], antialias=True)
-        return image if self.uint8 else to_unit_float(image)
+        return to_uint8(image) if self.uint8 else to_unit_float(image)
 
 
 def make_frames(out: str | Path, *, count: int = 512, size: int = 80, videos: int = 4, seed: int = 0) -> Path:

@@ -50,7 +50,9 @@ def decode_rgb(data: bytes | Tensor, path: PathLike) -> Tensor:
     """Decode encoded image bytes into ``(3, H, W)`` pixels; :class:`DataError` naming ``path`` if they cannot be.
 
     The one decoding call of gputrain (the loaders' :func:`read_image_rgb` and ``data.decode_on_device``'s CPU
-    path). ``output_dtype="auto"`` keeps a 16-bit PNG's ``uint16`` values, as torchvision's decoder gave them.
+    path). ``output_dtype="auto"`` keeps a 16-bit PNG's ``uint16`` values, as torchvision's decoder gave them;
+    loaders make them floats in ``[0, 1]`` (:func:`to_unit_float`, ``ToDtype(scale=True)``) or ``uint8``
+    (:func:`to_uint8`), never dividing them by 255.
     """
     try:
         return decode_image(data, mode="RGB", output_dtype="auto")
@@ -125,20 +127,36 @@ def image_size(path: PathLike) -> tuple[int, int]:
 
 
 def normalize_transform(mean: tuple[float, ...], std: tuple[float, ...]) -> Callable[..., object]:
-    """``uint8`` image → ``float32`` in ``[0, 1]`` → normalized by ``mean``/``std`` (masks pass through)."""
+    """``uint8`` image → ``float32`` in ``[0, 1]`` → normalized by ``mean``/``std`` (masks pass through).
+
+    A 16-bit PNG's ``uint16`` becomes ``x / 65535`` (``ToDtype(scale=True)``), as in :func:`to_unit_float`.
+    """
     return v2.Compose([v2.ToDtype(torch.float32, scale=True), v2.Normalize(list(mean), list(std))])
 
 
 def to_unit_float(pixels: Tensor) -> Tensor:
-    """``uint8`` pixels as float32 ``x / 255``: what image folders (the autoencoder) and COCO images feed a model.
+    """Decoded pixels as float32 in ``[0, 1]``: ``uint8`` ``x / 255``, a 16-bit PNG's ``uint16`` ``x / 65535``.
 
-    The divisor is a tensor on the pixels' own device because CUDA divides by a Python number as a multiplication
-    by its reciprocal, which differs from the CPU's true division in the last bit of some values; so pixels made
-    float on a GPU (``data.normalize_on_device``) are the worker's bit for bit. (torchvision's ``ToDtype(scale=True)``
-    multiplies by 1/255, which differs from ``x / 255`` in 126 of the 256 values: not used here, so that these
-    loaders keep the values they always gave.)
+    What image folders (the autoencoder) and COCO images feed a model. The divisor is a tensor on the pixels' own
+    device because CUDA divides by a Python number as a multiplication by its reciprocal, which differs from the
+    CPU's true division in the last bit of some values; so pixels made float on a GPU (``data.normalize_on_device``)
+    are the worker's bit for bit. (torchvision's ``ToDtype(scale=True)`` multiplies by 1/255, which differs from
+    ``x / 255`` in 126 of the 256 values: not used here, so that these loaders keep the values they always gave.)
     """
-    return pixels.to(torch.float32).div_(torch.full((), 255.0, device=pixels.device))
+    top = 65535.0 if pixels.dtype == torch.uint16 else 255.0
+    return pixels.to(torch.float32).div_(torch.full((), top, device=pixels.device))
+
+
+def to_uint8(pixels: Tensor) -> Tensor:
+    """Decoded pixels as ``uint8``: 8-bit ones as they are, a 16-bit PNG's ``uint16`` rounded to ``x / 257``.
+
+    What loaders hand over where the device makes images float (``data.normalize_on_device``), so a 16-bit image
+    becomes there what its float path gives within 1/255. Rounding, not torchvision's ``to_dtype(uint8, scale=True)``,
+    which shifts right by 8 (``x // 256``): one lower in 16,256 of the 65,536 values, up to 0.99/255 off, not 0.5/255.
+    """
+    if pixels.dtype != torch.uint16:
+        return pixels
+    return pixels.to(torch.int32).add_(128).div_(257, rounding_mode="floor").to(torch.uint8)
 
 
 def seeded_split(n: int, val_fraction: float, seed: int) -> tuple[list[int], list[int]]:

@@ -12,7 +12,7 @@ import torchvision.transforms.v2.functional as TF
 from gputrain.config import RunConfig
 from gputrain.data.device_normalize import PixelCollate, normalize_on_device
 from gputrain.data.imagefolder import ImageFiles, list_images
-from gputrain.data.images import seeded_split
+from gputrain.data.images import seeded_split, to_unit_float
 from gputrain.models import build_configured_model
 from gputrain.tasks.base import Task
 from gputrain.tasks.draw import side_by_side
@@ -46,7 +46,7 @@ def eval_preprocess(cfg: RunConfig) -> Callable[[torch.Tensor], torch.Tensor]:
     def preprocess(image: torch.Tensor) -> torch.Tensor:
         if size:
             image = TF.resize(image, [size, size], antialias=True)
-        return image.float().div_(255)
+        return to_unit_float(image)
     return preprocess
 
 

@@ -17,6 +17,7 @@ from torch import nn
 from gputrain.config import RunConfig
 from gputrain.data.coco import COCODetection, detection_collate, load_coco, split_coco
 from gputrain.data.device_normalize import PixelCollate, normalize_on_device
+from gputrain.data.images import to_unit_float
 from gputrain.metrics.base import Evaluator
 from gputrain.metrics.detection import CocoEvaluator
 from gputrain.models import build_configured_model
@@ -150,7 +151,7 @@ def eval_preprocess(image: torch.Tensor) -> torch.Tensor:
 
     Resizing and normalization are the model's own (torchvision's ``GeneralizedRCNNTransform``).
     """
-    return image.float().div(255)
+    return to_unit_float(image)
 
 
 def build(cfg: RunConfig) -> TaskSpec:

@@ -14,7 +14,7 @@ import torch
 from torchcodec.encoders import JpegEncoder, PngEncoder
 from torchvision.utils import draw_bounding_boxes, draw_segmentation_masks
 
-from gputrain.data.images import class_colour, read_image_rgb
+from gputrain.data.images import class_colour, read_image_rgb, to_uint8
 
 SCORE_THRESHOLD = 0.5
 """Detections drawn on overlays score at least this (predictions.json keeps them all)."""
@@ -72,7 +72,7 @@ def write_pictures(task: Any, inputs: Sequence[Any], results: Sequence[Any], out
     ``out/folder/<stem><suffix>``; ``inputs[i]`` (with ``.path`` and ``.stem``) is ``results[i]``'s image. Returns the folder."""
     (out / folder).mkdir(exist_ok=True)
     for item, r in zip(inputs, results, strict=True):
-        picture, _ = task.draw(read_image_rgb(item.path), r)
+        picture, _ = task.draw(to_uint8(read_image_rgb(item.path)), r)
         path = out / folder / f"{item.stem}{suffix}"
         if suffix == ".jpg":
             JpegEncoder(picture).to_file(path, quality=90)
