@@ -867,6 +867,15 @@ FAULTS: tuple[Fault, ...] = (
           (("ranks = comm.all_gather_objects(self.measured)",
             "ranks = [dict(self.measured or {}, rank=r) for r in range(ctx.dist.world_size)]"),),
           ("tests/e2e/test_plan_measured.py::test_each_ranks_measured_memory_is_within_10_percent_of_the_plan",)),
+    Fault("[30] a step's detached loss keeps the unreduced storage of an MSE loss", "src/gputrain/strategies/base.py",
+          (("        return loss.detach().clone()", "        return loss.detach()"),),
+          ("tests/e2e/test_plan_measured.py::test_one_devices_run_measures_what_the_plan_counts",)),
+    Fault("[30] the model's outputs held through the backward", "src/gputrain/strategies/base.py",
+          (("                del outputs\n", "                kept = outputs  # noqa: F841\n"),),
+          ("tests/e2e/test_plan_measured.py::test_one_devices_run_measures_what_the_plan_counts",)),
+    Fault("[30] doctor never warns about a prediction", "src/gputrain/tools/diagnose/plan_check.py",
+          (("abs(x) > TOLERANCE]", "abs(x) > 10 * TOLERANCE]"),),
+          ("tests/e2e/test_plan_measured.py::test_a_prediction_more_than_15_percent_off_is_a_warning",)),
 )
 
 

@@ -67,6 +67,27 @@ def test_each_ranks_measured_memory_is_within_10_percent_of_the_plan(planned, na
     assert "memory: peak" in done.stdout
 
 
+def test_one_devices_run_measures_what_the_plan_counts(tmp_path):
+    """The autoencoder's MSE loss leaves its scalar on a batch-sized storage and its last layer's output is a
+    batch-sized picture: a run that kept either past its use would measure above the plan's count."""
+    from gputrain.data.imagefolder import make_frames
+
+    frames = make_frames(tmp_path / "frames", count=80, size=40, videos=2)
+    plan = tmp_path / "plan.json"
+    done = gputrain("plan", "autoencoder", "--data-root", str(frames), "--accelerator", "cpu", "--batch-size", "16",
+                    "--json", str(plan))
+    assert done.returncode == 0, done.stderr[-3000:]
+    single = next(p for p in json.loads(plan.read_text())["plans"] if p["strategy"] == "single")
+    run = tmp_path / "run"
+    done = gputrain("train", "autoencoder", "--data-root", str(frames), "--accelerator", "cpu", "--batch-size", "16",
+                    "--epochs", "1", "--out", str(run), "trainer.max_steps_per_epoch=2", "trainer.measure_memory=true",
+                    "trainer.enable_checkpointing=false", "trainer.loggers=[]", "trainer.pictures=0")
+    assert done.returncode == 0, done.stderr[-3000:]
+    (rank,) = json.loads((run / "memory.json").read_text())["ranks"]
+    assert abs(rank["peak_bytes"] - single["peak_memory_bytes"]) <= 0.02 * rank["peak_bytes"], (rank, single)
+    assert rank["how"] == "MemTracker" and rank["steps"] == 2
+
+
 def test_doctor_compares_the_plan_with_its_dry_run(planned):
     done = gputrain("doctor", *RECIPE, "trainer.batch_size=8", "--data-root", str(planned["root"]), "--json")
     assert done.returncode == 0, done.stderr[-3000:]
