@@ -876,6 +876,9 @@ FAULTS: tuple[Fault, ...] = (
     Fault("[30] doctor never warns about a prediction", "src/gputrain/tools/diagnose/plan_check.py",
           (("abs(x) > TOLERANCE]", "abs(x) > 10 * TOLERANCE]"),),
           ("tests/e2e/test_plan_measured.py::test_a_prediction_more_than_15_percent_off_is_a_warning",)),
+    Fault("[30] a layer that fails on fake tensors is not named", "src/gputrain/tools/plan/memory.py",
+          (('layer = f"layer {running[-1]} " if running else ""', 'layer = ""'),),
+          ("tests/e2e/test_plan.py::test_a_layer_that_cannot_run_on_fake_tensors_is_named_and_the_step_measured",)),
 )
 
 

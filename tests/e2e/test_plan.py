@@ -60,6 +60,23 @@ def test_fake_step_counts_the_unreduced_storage_a_real_mse_loss_keeps(frames):
         assert predicted == memory.measured_step_memory(work, batch)
 
 
+class ValueDependent(torch.nn.Module):
+    """A layer whose output shape comes from values (as Mask R-CNN's box selection): fake tensors cannot run it."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + x[x > 0].sum() * 0
+
+
+def test_a_layer_that_cannot_run_on_fake_tensors_is_named_and_the_step_measured(tmp_path):
+    root = make_cifar10(tmp_path / "cifar", train_per_class=2, test_per_class=1)
+    work = Workload.from_config(load_config("cifar10-resnet18", [f"data.root={root}"]), torch.device("cpu"), "32")
+    work.model.layer2[1].relu = torch.nn.Sequential(ValueDependent())
+    predicted = memory.step_memory(work, 4)
+    assert predicted == memory.measured_step_memory(work, 4) and not work.runs_on_fake_tensors
+    (note,) = work.notes
+    assert "layer ResNet.layer2.1.relu.0 cannot run on fake tensors" in note and "measured by real steps" in note
+
+
 def test_plan_lists_every_plan_for_two_devices_with_the_json_fields(planned):
     plans = {p["strategy"] + (f"-{p['schedule']}" if p["strategy"] == "pipeline" else ""): p
              for p in planned["json"]["plans"]}

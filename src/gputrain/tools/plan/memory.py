@@ -105,12 +105,40 @@ def _fake(work: Workload, model: nn.Module) -> Iterator[tuple[nn.Module, Callabl
         yield meta, fake
 
 
-def _guarded(what: str, run: Callable[[], StepMemory]) -> StepMemory:
+@contextmanager
+def _running_modules() -> Iterator[list[str]]:
+    """The qualified names of the modules whose forward is running, innermost last; a forward that raises stays."""
+    from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+
+    running: list[str] = []
+    names: dict[int, str] = {}
+
+    def enter(module: nn.Module, args: Any) -> None:
+        if id(module) not in names:  # a top-level call: name it and everything under it
+            root = type(module).__name__
+            names.update({id(m): f"{root}.{n}" if n else root for n, m in module.named_modules()})
+        running.append(names[id(module)])
+
+    def leave(module: nn.Module, args: Any, output: Any) -> None:
+        running.pop()
+
+    handles = (register_module_forward_pre_hook(enter), register_module_forward_hook(leave))
     try:
-        return run()
-    except (RuntimeError, NotImplementedError) as err:  # fake-tensor failures are RuntimeError subclasses
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise UnprofilableModel(f"{what} cannot run on fake tensors ({type(err).__name__}: {first[:160]})") from err
+        yield running
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _guarded(what: str, run: Callable[[], StepMemory]) -> StepMemory:
+    with _running_modules() as running:
+        try:
+            return run()
+        except (RuntimeError, NotImplementedError) as err:  # fake-tensor failures are RuntimeError subclasses
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            layer = f"layer {running[-1]} " if running else ""
+            raise UnprofilableModel(f"{what}: {layer}cannot run on fake tensors ({type(err).__name__}: "
+                                    f"{first[:160]})") from err
 
 
 def step_memory(work: Workload, batch_size: int, *, held_gradients: bool = False) -> StepMemory:
