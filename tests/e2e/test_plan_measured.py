@@ -116,3 +116,29 @@ def test_a_prediction_more_than_15_percent_off_is_a_warning():
     slow = [RankOutcome(rank=0, ok=True, records=[dict(s, wall_s=1.5) for s in steps])]
     assert "step time more than 15%" in check_plan(plan, measured(100), slow).what
     assert check_plan("no ddp plan: why", None, outcomes).status == "SKIP"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("recipe", ["cifar10-resnet18", "autoencoder"])
+def test_on_a_gpu_the_plan_is_within_10_percent_of_max_memory_allocated(recipe, tmp_path):
+    """The issue's GPU reference: one device's predicted peak (tensors counted on fake tensors plus the allocator
+    overhead the probe step measured) against torch.cuda.max_memory_allocated of a run's first two steps."""
+    from gputrain.data.imagefolder import make_frames
+
+    if recipe == "autoencoder":
+        root, extra = make_frames(tmp_path / "frames", count=96, size=80, videos=2), []
+    else:
+        root, extra = make_cifar10(tmp_path / "cifar", train_per_class=8, test_per_class=1), ["data.image_size=64"]
+    plan = tmp_path / "plan.json"
+    done = gputrain("plan", recipe, *extra, "--data-root", str(root), "--accelerator", "cuda", "--batch-size", "32",
+                    "--json", str(plan))
+    assert done.returncode == 0, done.stderr[-3000:]
+    single = next(p for p in json.loads(plan.read_text())["plans"] if p["strategy"] == "single")
+    run = tmp_path / "run"
+    done = gputrain("train", recipe, *extra, "--data-root", str(root), "--accelerator", "cuda", "--batch-size", "32",
+                    "--epochs", "1", "--out", str(run), "trainer.max_steps_per_epoch=2", "trainer.measure_memory=true",
+                    "trainer.enable_checkpointing=false", "trainer.loggers=[]", "trainer.pictures=0")
+    assert done.returncode == 0, done.stderr[-3000:]
+    (rank,) = json.loads((run / "memory.json").read_text())["ranks"]
+    assert rank["how"] == "torch.cuda.max_memory_allocated"
+    assert abs(rank["peak_bytes"] - single["peak_memory_bytes"]) <= 0.10 * rank["peak_bytes"], (rank, single)
