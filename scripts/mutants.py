@@ -879,6 +879,18 @@ FAULTS: tuple[Fault, ...] = (
     Fault("[30] a layer that fails on fake tensors is not named", "src/gputrain/tools/plan/memory.py",
           (('layer = f"layer {running[-1]} " if running else ""', 'layer = ""'),),
           ("tests/e2e/test_plan.py::test_a_layer_that_cannot_run_on_fake_tensors_is_named_and_the_step_measured",)),
+    Fault("[30] activation checkpointing updates BatchNorm's statistics again in the recompute",
+          "src/gputrain/parallel/activation_checkpoint.py",
+          (("        m.momentum = 0.0\n", "        pass\n"),),
+          ("tests/distributed/test_activation_checkpointing.py::test_one_process_trains_the_same_weights_and_buffers_with_and_without",)),
+    Fault("[30] activation checkpointing counts the recomputed batches", "src/gputrain/parallel/activation_checkpoint.py",
+          (("                m.num_batches_tracked.copy_(count)\n", "                pass\n"),),
+          ("tests/distributed/test_activation_checkpointing.py::test_one_process_trains_the_same_weights_and_buffers_with_and_without",)),
+    Fault("[30] activation checkpointing on the wrapper a chain hands, not the model's module",
+          "src/gputrain/parallel/activation_checkpoint.py",
+          (("for module in [block] if id(block) in owned else [m for m in block.children() if id(m) in owned]:",
+            "for module in [block]:"),),
+          ("tests/distributed/test_activation_checkpointing.py::test_a_chain_that_wraps_the_models_modules_checkpoints_the_modules_themselves",)),
 )
 
 

@@ -33,9 +33,18 @@ def planned(tmp_path_factory) -> dict:
     done = gputrain("plan", *RECIPE, "--data-root", str(root), "--devices", "2", "--accelerator", "cpu",
                     "--batch-size", "8", "--json", str(out))
     assert done.returncode == 0, done.stderr[-3000:]
-    plans = {p["strategy"] + (f"-{p['schedule']}" if p["strategy"] == "pipeline" else ""): p
-             for p in json.loads(out.read_text())["plans"]}
+    plans = {p["strategy"] + (f"-{p['schedule']}" if p["strategy"] == "pipeline" else "")
+             + ("+ac" if p["activation_checkpointing"] else ""): p for p in json.loads(out.read_text())["plans"]}
     return {"root": root, "plans": plans}
+
+
+def test_activation_checkpointing_plans_keep_fewer_activations_and_fit_larger_batches(planned):
+    plans = planned["plans"]
+    for name in ("single", "ddp", "fsdp"):
+        plain, checkpointed = plans[name], plans[f"{name}+ac"]
+        assert checkpointed["memory_parts"]["activations"] < 0.8 * plain["memory_parts"]["activations"]
+        assert checkpointed["max_global_batch"] > plain["max_global_batch"]
+        assert checkpointed["step_s"] >= plain["step_s"]  # one more forward, never less
 
 
 def overrides(plan: dict) -> list[str]:
@@ -44,10 +53,10 @@ def overrides(plan: dict) -> list[str]:
     if plan["strategy"] == "pipeline":
         out += [f"parallel.micro_batches={plan['micro_batches']}", f"parallel.schedule={plan['schedule']}",
                 f"parallel.split_points=[{','.join(plan['split_points'])}]"]
-    return out
+    return out + [f"trainer.activation_checkpointing={str(plan['activation_checkpointing']).lower()}"]
 
 
-@pytest.mark.parametrize("name", ["ddp", "fsdp", "pipeline-gpipe", "pipeline-1f1b"])
+@pytest.mark.parametrize("name", ["ddp", "fsdp", "pipeline-gpipe", "pipeline-1f1b", "ddp+ac"])
 def test_each_ranks_measured_memory_is_within_10_percent_of_the_plan(planned, name, tmp_path):
     plan = planned["plans"][name]
     run = tmp_path / name
@@ -61,7 +70,7 @@ def test_each_ranks_measured_memory_is_within_10_percent_of_the_plan(planned, na
     assert [r["rank"] for r in ranks] == [0, 1] and all(r["steps"] == 2 for r in ranks)
     for rank, want in zip(ranks, predicted, strict=True):
         assert abs(rank["peak_bytes"] - want) <= 0.10 * rank["peak_bytes"], (name, rank, want)
-    if name != "ddp" and name != "fsdp":
+    if name.startswith("pipeline"):
         # A pipeline's stages differ: the first holds activations, the last most of the weights; each is its own.
         assert predicted[0] != predicted[1]
     assert "memory: peak" in done.stdout

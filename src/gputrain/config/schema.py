@@ -222,6 +222,9 @@ class TrainerConfig:
     reuse_host_memory: bool | str = "auto"
     """Keep the host memory freed tensors return for the next step instead of giving it back to the OS (glibc's
     allocator, 1.5-26 % shorter CPU epochs in the benchmarks; the process keeps its peak memory): auto (on with glibc), true or false."""
+    activation_checkpointing: bool = False
+    """Recompute each block's activations in the backward instead of keeping them (torch.utils.checkpoint over the
+    blocks of the model's chain): less memory for about one more forward; the same weights and BatchNorm buffers."""
     measure_memory: bool = False
     """Measure each rank's memory over the first two optimizer steps into ``memory.json`` (max_memory_allocated on
     a GPU; torch's MemTracker on a CPU, which slows those two steps): what ``gputrain plan`` predicts, measured."""

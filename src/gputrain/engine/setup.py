@@ -123,6 +123,10 @@ def build_training(loop: Loop, train_data: Dataset, val_data: Dataset | None, ou
         from gputrain.nn.sync_batchnorm import convert_sync_batchnorm
 
         model = convert_sync_batchnorm(model, dist.device.type)
+    if t.activation_checkpointing:
+        from gputrain.parallel.activation_checkpoint import checkpoint_blocks
+
+        checkpoint_blocks(model, children_in_order=bool(cfg.parallel.split_points))
     strategy.check_batch(t.batch_size, model)
     loop.module = strategy.setup_module(model)
     if loop.fast.compile_mode:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import time
@@ -16,7 +17,7 @@ from gputrain.parallel.partition import format_bytes
 from gputrain.tools.plan import memory
 from gputrain.tools.plan.budget import device_budget, parse_size
 from gputrain.tools.plan.plans import Plan, Planner, choose, micro_batch_count, why
-from gputrain.tools.plan.timing import block_shares, measure_steps
+from gputrain.tools.plan.timing import block_shares, measure_step, measure_steps
 from gputrain.tools.plan.workload import Workload
 
 SPLIT = ("pipeline", "model_parallel")
@@ -118,12 +119,33 @@ def make_report(cfg: RunConfig, *, devices: int, nnodes: int = 1, budget_text: s
                       if wanted(f"pipeline-{s}")]
             if wanted("model_parallel"):
                 plans.append(_attempt(lambda: planner.split("model_parallel", "", split), notes))
+    plans += _checkpointed_plans(planner, wanted, probe_batch, notes)
     found = [p for p in plans if p is not None]
     notes += sorted(work.notes)
     if not found:
         raise ValueError(f"no plan could be predicted for {cfg.model.name or 'the model'}: {'; '.join(notes)}")
     return Report(found, choose(found), budget, source, str(device), precision, g, notes,
                   time.perf_counter() - started)
+
+
+def _checkpointed_plans(planner: Planner, wanted: Any, probe_batch: int, notes: list[str]) -> list[Plan | None]:
+    """single, ddp and fsdp again with ``trainer.activation_checkpointing=true``: memory counted on the
+    checkpointed model, time from the plain probe scaled by one measured checkpointed step."""
+    labels = [x for x in ("single", "ddp", "fsdp") if wanted(f"{x}+ac") and (x == "single" or planner.devices > 1)]
+    if planner.devices > 1 and planner.global_batch % planner.devices:
+        labels = labels[:1]
+    if not labels:
+        return []
+    try:
+        work = planner.work.checkpointed()
+    except ValueError as err:
+        notes.append(f"no activation-checkpointing plans: {err}")
+        return []
+    plain = measure_step(planner.work, probe_batch)
+    slower = measure_step(work, probe_batch).step_s / plain.step_s if plain.step_s > 0 else 1.0
+    ac = dataclasses.replace(planner, work=work, probe=planner.probe.scaled(max(slower, 1.0)))
+    return [_attempt(lambda x=x: dataclasses.replace(getattr(ac, x)(), activation_checkpointing=True), notes)
+            for x in labels]
 
 
 def _attempt(predict: Any, notes: list[str]) -> Plan | None:

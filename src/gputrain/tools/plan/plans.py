@@ -39,6 +39,7 @@ class Plan:
     split_points: tuple[str, ...] = ()
     max_global_batch: int = 0
     """The largest global batch predicted to fit the budget with the margin (0: none)."""
+    activation_checkpointing: bool = False
 
     @property
     def peak(self) -> int:
@@ -58,7 +59,8 @@ class Plan:
 
     @property
     def label(self) -> str:
-        return f"{self.strategy}-{self.schedule}" if self.strategy == "pipeline" else self.strategy
+        name = f"{self.strategy}-{self.schedule}" if self.strategy == "pipeline" else self.strategy
+        return f"{name}+ac" if self.activation_checkpointing else name
 
     def overrides(self) -> list[str]:
         """The config values that train this plan."""
@@ -69,6 +71,8 @@ class Plan:
                     f"parallel.split_points=[{','.join(self.split_points)}]"]
             if self.schedule:
                 out.append(f"parallel.schedule={self.schedule}")
+        if self.activation_checkpointing:
+            out.append("trainer.activation_checkpointing=true")
         return out
 
     def as_json(self) -> dict[str, Any]:
@@ -76,7 +80,7 @@ class Plan:
         return {"strategy": self.strategy, "devices": self.devices, "batch_size": self.batch_size,
                 "global_batch": self.global_batch, "micro_batches": self.micro_batches,
                 "schedule": self.schedule or None, "split_points": list(self.split_points),
-                "activation_checkpointing": False, "peak_memory_bytes": self.peak,
+                "activation_checkpointing": self.activation_checkpointing, "peak_memory_bytes": self.peak,
                 "per_device_memory_bytes": [m.peak for m in self.per_device], "memory_parts": worst.as_dict(),
                 "step_s": self.step_s, "images_per_s": self.images_per_s, "fits": self.fits,
                 "max_global_batch": self.max_global_batch}

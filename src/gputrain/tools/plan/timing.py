@@ -40,6 +40,10 @@ class Probe:
     def step_at(self, samples: float) -> float:
         return self.fixed_s + self.per_sample_s * samples
 
+    def scaled(self, factor: float) -> Probe:
+        """The same probe for a step ``factor`` times as long (activation checkpointing's recomputed forward)."""
+        return Probe(self.batch_size, self.step_s * factor, self.cuda_peak_bytes, self.fixed_s * factor)
+
 
 def measure_steps(work: Workload, batch_size: int) -> Probe:
     """Steps at ``batch_size`` and at twice it: a step's time is taken as affine in its batch."""

@@ -8,6 +8,7 @@ the set is shorter: the shapes and dtypes are the run's, the values only matter 
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -53,6 +54,15 @@ class Workload:
         samples = [data[i] for i in range(n)]
         return cls(cfg=cfg, model=spec.model, task=spec.task, samples=samples, device=device, precision=precision,
                    split_points=tuple(cfg.parallel.split_points), _collate=spec.task.collate_fn() or default_collate)
+
+    def checkpointed(self) -> Workload:
+        """The same run with ``trainer.activation_checkpointing=true`` (a checkpointed copy of the model; the notes
+        are shared). Raises ValueError when the model has no chain of blocks to checkpoint."""
+        from gputrain.parallel.activation_checkpoint import checkpoint_blocks
+
+        model = copy.deepcopy(self.model)
+        checkpoint_blocks(model, children_in_order=bool(self.split_points))
+        return dataclasses.replace(self, model=model, notes=self.notes)
 
     def batch(self, size: int) -> tuple[Any, Any]:
         """``(inputs, targets)`` of ``size`` samples, on the CPU."""
