@@ -22,6 +22,9 @@ import torch
 
 from gputrain.tools.plan.workload import Workload
 
+LONG_STEP_S = 2.0
+"""A warm-up step longer than this is followed by one timed step, not ``repeats``."""
+
 
 @dataclass(frozen=True)
 class Probe:
@@ -68,9 +71,12 @@ def measure_step(work: Workload, batch_size: int, repeats: int = 3) -> Probe:
     inputs, targets = move_to_device(work.batch(batch_size), device)
     cuda = device.type == "cuda"
     with torch.random.fork_rng(devices=[device] if cuda else []):
+        start = time.perf_counter()
         work.train_step(model, optimizer, inputs, targets)  # warm-up: kernels chosen, optimizer state made
+        _sync(device)
+        if time.perf_counter() - start > LONG_STEP_S:
+            repeats = 1  # a step of seconds (a large input on a CPU): its noise is small against it
         if cuda:
-            _sync(device)
             torch.cuda.reset_peak_memory_stats(device)
         times = []
         for _ in range(repeats):
