@@ -270,10 +270,12 @@ def stage_memory(work: Workload, split: Sequence[int], stage: int, *, batch_size
 
             def one_step(tracker: Any = None) -> None:
                 pending: list[Any] = []
+                outputs: list[Any] = []  # the last stage's schedule keeps every micro-batch's output to the end
 
                 def backward() -> None:
                     out, y = pending.pop(0)
                     if last:
+                        outputs.append(tuple(t.detach() for t in tensors(out)))
                         work.loss_of(out, y).backward()
                     else:
                         outs = [t for t in (out if isinstance(out, tuple) else (out,)) if t.requires_grad]
