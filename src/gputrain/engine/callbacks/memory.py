@@ -2,8 +2,10 @@
 
 What ``gputrain plan`` predicts, measured in the run itself, per rank. On a GPU: ``torch.cuda.max_memory_allocated``
 from before the first forward to the end of the second optimizer step. On a CPU no allocator keeps a peak, so
-torch's ``MemTracker`` (``FSDPMemTracker`` for FSDP) counts the live tensors of those steps by kind, the count the
-plan's fake steps make. It sees every op, which makes those two steps slower on a CPU: off by default.
+torch's ``MemTracker`` (``FSDPMemTracker`` for FSDP; for pipeline stages a count of live storages, see
+:class:`LiveBytes`) counts the live tensors of those steps by kind, the count the plan's fake steps make. It sees
+every op, which makes those two steps slower on a CPU: off by default. Whatever runs between the two steps (an
+evaluation after an epoch of one step) is counted with them.
 
 Two steps, because the first one creates the optimizer state that every later step holds.
 """
