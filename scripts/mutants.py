@@ -874,7 +874,7 @@ FAULTS: tuple[Fault, ...] = (
           (("                del outputs\n", "                kept = outputs  # noqa: F841\n"),),
           ("tests/e2e/test_plan_measured.py::test_one_devices_run_measures_what_the_plan_counts",)),
     Fault("[30] doctor never warns about a prediction", "src/gputrain/tools/diagnose/plan_check.py",
-          (("abs(x) > TOLERANCE]", "abs(x) > 10 * TOLERANCE]"),),
+          (("if abs(x) > TOLERANCE and gap]", "if abs(x) > 10 * TOLERANCE and gap]"),),
           ("tests/e2e/test_plan_measured.py::test_a_prediction_more_than_15_percent_off_is_a_warning",)),
     Fault("[30] a layer that fails on fake tensors is not named", "src/gputrain/tools/plan/memory.py",
           (('layer = f"layer {running[-1]} " if running else ""', 'layer = ""'),),
