@@ -141,8 +141,8 @@ def _checkpointed_plans(planner: Planner, wanted: Any, probe_batch: int, notes: 
     except ValueError as err:
         notes.append(f"no activation-checkpointing plans: {err}")
         return []
-    plain = measure_step(planner.work, probe_batch)
-    slower = measure_step(work, probe_batch).step_s / plain.step_s if plain.step_s > 0 else 1.0
+    plain = planner.probe.step_s  # measured at the same batch
+    slower = measure_step(work, probe_batch).step_s / plain if plain > 0 else 1.0
     ac = dataclasses.replace(planner, work=work, probe=planner.probe.scaled(max(slower, 1.0)))
     return [_attempt(lambda x=x: dataclasses.replace(getattr(ac, x)(), activation_checkpointing=True), notes)
             for x in labels]

@@ -26,9 +26,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_map
 
 from gputrain.engine.callbacks.memory import memory_parts
+from gputrain.strategies.base import tensors_of
 from gputrain.tools.plan.workload import Workload
 
 
@@ -161,10 +162,6 @@ def step_memory(work: Workload, batch_size: int, *, held_gradients: bool = False
     return measured_step_memory(work, batch_size, held_gradients)
 
 
-def tensors(tree: Any) -> list[torch.Tensor]:
-    return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
-
-
 def _counted_step(work: Workload, model: nn.Module, inputs: Any, targets: Any, held_gradients: bool) -> StepMemory:
     """Two training steps; the second counted by ``MemTracker`` at its peak (the first makes the optimizer state).
     The batch counts as the run's does: it is on the device during the step."""
@@ -177,7 +174,7 @@ def _counted_step(work: Workload, model: nn.Module, inputs: Any, targets: Any, h
             if p.requires_grad:
                 p.grad = torch.zeros_like(p)
     tracker = MemTracker()
-    tracker.track_external(model, optimizer, *tensors((inputs, targets)))
+    tracker.track_external(model, optimizer, *tensors_of((inputs, targets)))
     with tracker:
         work.train_step(model, optimizer, inputs, targets)
     return parts_of(tracker.get_tracker_snapshot("peak"))
@@ -260,9 +257,10 @@ def stage_memory(work: Workload, split: Sequence[int], stage: int, *, batch_size
                 received = [run_blocks(blocks[:split[stage - 1]], x) if stage else x for x, _ in chunks]
                 # What torch's pipelining holds beside the stage: every rank reads the whole batch, and a buffer per
                 # micro-batch for the activations it receives and for the gradients that come back for its outputs.
-                sent = [] if stage == len(split) else [
-                    torch.empty_like(t) for x, _ in chunks for t in tensors(run_blocks(blocks[:split[stage]], x))]
-                buffers = [*tensors((inputs, targets)), *(tensors(received) if stage else []), *sent]
+                start = split[stage - 1] if stage else 0
+                sent = [] if stage == len(split) else [torch.empty_like(t) for x in received
+                                                        for t in tensors_of(run_blocks(blocks[start:split[stage]], x))]
+                buffers = [*tensors_of((inputs, targets)), *(tensors_of(received) if stage else []), *sent]
             mine = stages[stage]
             optimizer = work.optimizer(mine)
             limit = in_flight_limit(len(stages), stage, len(chunks), schedule)
@@ -275,7 +273,7 @@ def stage_memory(work: Workload, split: Sequence[int], stage: int, *, batch_size
                 def backward() -> None:
                     out, y = pending.pop(0)
                     if last:
-                        outputs.append(tuple(t.detach() for t in tensors(out)))
+                        outputs.append(tuple(t.detach() for t in tensors_of(out)))
                         work.loss_of(out, y).backward()
                     else:
                         outs = [t for t in (out if isinstance(out, tuple) else (out,)) if t.requires_grad]

@@ -83,7 +83,7 @@ class Plan:
                 "activation_checkpointing": self.activation_checkpointing, "peak_memory_bytes": self.peak,
                 "per_device_memory_bytes": [m.peak for m in self.per_device], "memory_parts": worst.as_dict(),
                 "step_s": self.step_s, "images_per_s": self.images_per_s, "fits": self.fits,
-                "max_global_batch": self.max_global_batch}
+                "max_global_batch": self.max_global_batch, "overrides": self.overrides()}
 
 
 def _largest(low: int, memory_at: Callable[[int], int], unit: int, at: int, budget: int) -> int:
