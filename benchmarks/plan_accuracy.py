@@ -12,7 +12,7 @@ Also the time ``gputrain plan RECIPE --devices 2`` takes (all six plans) at the 
 Multi-rank plans (ddp, fsdp, pipeline) are not compared here yet. Mask R-CNN cannot run on fake tensors: its
 "prediction" is itself a real step, so it is listed but not scored.
 
-Usage: ``python benchmarks/plan_accuracy.py [--recipes autoencoder,...] [--reps 3] [--json out.json]``
+Usage: ``python benchmarks/plan_accuracy.py [--recipes autoencoder,...] [--reps 3] [--json out.json] [--plan-times-only]``
 """
 
 from __future__ import annotations
@@ -68,6 +68,7 @@ def main() -> None:
     parser.add_argument("--recipes", default=",".join(r for r in SETTINGS if r != "coco-maskrcnn"))
     parser.add_argument("--reps", type=int, default=3, help="timed steps per measurement (median)")
     parser.add_argument("--json", default="")
+    parser.add_argument("--plan-times-only", action="store_true", help="only the time `plan --devices 2` takes")
     args = parser.parse_args()
     torch.set_num_threads(max(torch.get_num_threads(), 1))
     rows, plan_times = [], {}
@@ -77,7 +78,7 @@ def main() -> None:
             root = Path(tmp) / kind
             if not root.exists():
                 make_dataset(kind, root, count=24, size=max(sizes) if kind != "cifar10" else 0)
-            for size in sizes:
+            for size in () if args.plan_times_only else sizes:
                 for batch in BATCHES:
                     row = one_setting(recipe, root, size, batch, extra, args.reps)
                     rows.append(row)

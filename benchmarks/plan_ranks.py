@@ -65,8 +65,8 @@ def main() -> None:
         tmp = Path(tmp_dir)
         cifar = make_cifar10(tmp / "cifar", train_per_class=4, test_per_class=1)
         frames = make_frames(tmp / "frames", count=64, size=80, videos=4)
-        settings = [(["cifar10-resnet18", "data.image_size=32", "optim.name=adam"], cifar),
-                    (["cifar10-resnet18", "data.image_size=64", "optim.name=sgd"], cifar),
+        settings = [(["cifar10-resnet18", "trainer.strategy=ddp", "data.image_size=32", "optim.name=adam"], cifar),
+                    (["cifar10-resnet18", "trainer.strategy=ddp", "data.image_size=64", "optim.name=sgd"], cifar),
                     (["autoencoder"], frames)]
         for rep in range(args.reps):
             for i, (recipe, root) in enumerate(settings):

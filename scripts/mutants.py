@@ -895,6 +895,26 @@ FAULTS: tuple[Fault, ...] = (
           (("for module in [block] if id(block) in owned else [m for m in block.children() if id(m) in owned]:",
             "for module in [block]:"),),
           ("tests/distributed/test_activation_checkpointing.py::test_a_chain_that_wraps_the_models_modules_checkpoints_the_modules_themselves",)),
+    Fault("[30] a plan's global batch counts devices, not processes (model_parallel's batch doubled)",
+          "src/gputrain/tools/plan/command.py",
+          (("    processes = processes_per_node(t.strategy, devices) * nnodes", "    processes = devices * nnodes"),),
+          ("tests/e2e/test_plan.py::test_the_planned_global_batch_is_the_one_the_recipe_trains_on_those_devices",)),
+    Fault("[30] DDP's held-gradient count shared with the plain step's", "src/gputrain/tools/plan/memory.py",
+          (('_once(work, ("step", batch_size, held_gradients),', '_once(work, ("step", batch_size),'),),
+          ("tests/e2e/test_plan.py::test_fake_step_equals_memtrackers_count_of_a_real_step",)),
+    Fault("[30] the optimizer's state never made before the counted step", "src/gputrain/tools/plan/memory.py",
+          (("        p.grad = torch.zeros_like(p)\n    optimizer.step()\n",
+            "        p.grad = torch.zeros_like(p)\n"),),
+          ("tests/e2e/test_plan.py::test_fake_step_equals_memtrackers_count_of_a_real_step",)),
+    Fault("[30] the peak-only tracker keeps the first snapshot, not the peak's", "src/gputrain/engine/callbacks/memory.py",
+          (("                tracker._peak_mem_snap[device] = dict(snapshot)",
+            "                tracker._peak_mem_snap.setdefault(device, dict(snapshot))"),),
+          ("tests/e2e/test_plan.py::test_the_peak_only_tracker_keeps_the_peak_memtracker_gives",)),
+    Fault("[30] pipeline +ac plans counted on the plain model", "src/gputrain/tools/plan/command.py",
+          (("dataclasses.replace(_predict(ac, x, split), activation_checkpointing=True)",
+            "dataclasses.replace(_predict(ac if not x.startswith('pipeline') else planner, x, split), "
+            "activation_checkpointing=True)"),),
+          ("tests/e2e/test_plan_measured.py::test_activation_checkpointing_plans_keep_fewer_activations_and_fit_larger_batches",)),
 )
 
 

@@ -40,6 +40,18 @@ def planned(tmp_path_factory, frames) -> dict:
     return {"json": json.loads(out.read_text()), "stdout": done.stdout}
 
 
+@pytest.mark.parametrize(("strategy", "global_batch"), [("ddp", 20), ("fsdp", 20), ("pipeline", 10), ("dp", 10),
+                                                         ("model_parallel", 10), ("single", 10), ("auto", 10)])
+def test_the_planned_global_batch_is_the_one_the_recipe_trains_on_those_devices(strategy, global_batch):
+    from gputrain.tools.plan.command import global_batch as planned_batch
+
+    # The seed command: `plan resnet50-model-parallel --batch-size 10 --devices 2` is one process taking the whole
+    # batch of 10 over its two stages, not 10 per device.
+    cfg = load_config("resnet50-model-parallel", [f"trainer.strategy={strategy}", "trainer.batch_size=10"])
+    assert planned_batch(cfg, devices=2, nnodes=1) == global_batch
+    assert planned_batch(cfg, devices=2, nnodes=3) == global_batch * (1 if strategy in ("pipeline", "auto") else 3)
+
+
 def test_fake_step_equals_memtrackers_count_of_a_real_step(tmp_path):
     root = make_cifar10(tmp_path / "cifar", train_per_class=2, test_per_class=1)
     cfg = load_config("cifar10-resnet18", [f"data.root={root}", "optim.name=adam"])
@@ -50,6 +62,31 @@ def test_fake_step_equals_memtrackers_count_of_a_real_step(tmp_path):
         weights = sum(p.numel() * 4 for p in work.model.parameters())
         assert predicted.optimizer >= 2 * weights  # Adam's two moments (and its step's temporaries)
         assert predicted.activations > 0 and predicted.parameters >= weights
+    # DDP's gradients live for the whole step: a count of its own, never the plain step's.
+    held = memory.step_memory(work, 9, held_gradients=True)
+    assert held == memory.measured_step_memory(work, 9, held_gradients=True)
+    assert held.gradients >= weights and held.peak > memory.step_memory(work, 9).peak
+
+
+def test_the_peak_only_tracker_keeps_the_peak_memtracker_gives(tmp_path):
+    # The plan and trainer.measure_memory drop MemTracker's per-module peaks (7x the cost of a step on fake
+    # tensors); the whole step's peak and its parts must stay what MemTracker itself reports.
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from gputrain.engine.callbacks.memory import peak_only
+
+    root = make_cifar10(tmp_path / "cifar", train_per_class=2, test_per_class=1)
+    work = Workload.from_config(load_config("cifar10-resnet18", [f"data.root={root}"]), torch.device("cpu"), "32")
+    snapshots = []
+    for tracker in (MemTracker(), peak_only(MemTracker())):
+        model = work.model.train()
+        optimizer = work.optimizer(model)
+        inputs, targets = work.batch(4)
+        tracker.track_external(model, optimizer)
+        with tracker:
+            work.train_step(model, optimizer, inputs, targets)
+        snapshots.append(tracker.get_tracker_snapshot("peak"))
+    assert snapshots[0] == snapshots[1] and sum(snapshots[0][torch.device("cpu")].values()) > 0
 
 
 def test_fake_step_counts_the_unreduced_storage_a_real_mse_loss_keeps(frames):
@@ -80,11 +117,11 @@ def test_a_layer_that_cannot_run_on_fake_tensors_is_named_and_the_step_measured(
 def test_plan_lists_every_plan_for_two_devices_with_the_json_fields(planned):
     plans = {p["strategy"] + (f"-{p['schedule']}" if p["strategy"] == "pipeline" else "")
              + ("+ac" if p["activation_checkpointing"] else ""): p for p in planned["json"]["plans"]}
-    assert set(plans) == {"single", "ddp", "fsdp", "pipeline-gpipe", "pipeline-1f1b", "model_parallel",
-                          "single+ac", "ddp+ac", "fsdp+ac"}
+    names = ["single", "ddp", "fsdp", "pipeline-gpipe", "pipeline-1f1b", "model_parallel"]
+    assert set(plans) == {*names, *(f"{name}+ac" for name in names)}
     # The autoencoder's peak is its full-size layers, which the recompute holds again: no gain (ResNet-18's in
     # test_plan_measured), and never a loss.
-    for name in ("single", "ddp", "fsdp"):
+    for name in names:
         assert plans[f"{name}+ac"]["peak_memory_bytes"] <= plans[name]["peak_memory_bytes"]
         assert plans[f"{name}+ac"]["activation_checkpointing"] and not plans[name]["activation_checkpointing"]
     for p in plans.values():

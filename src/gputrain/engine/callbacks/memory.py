@@ -47,6 +47,25 @@ def memory_parts(snapshot: dict[Any, dict[Any, int]]) -> dict[str, int]:
     return totals
 
 
+def peak_only(tracker: Any) -> Any:
+    """``tracker`` (a ``MemTracker`` or ``FSDPMemTracker``) made to keep only the whole count's peak and its parts.
+
+    On every op it also updates the peak of each module the step is inside, looping over every module it has seen:
+    figures gputrain does not read, at about 7 times the cost of a ResNet-50 step on fake tensors (1.16 s against
+    0.16 s). Replacing that one method (torch 2.14's ``_update_peak_stats``, pinned) keeps the peak it does read.
+    """
+    from torch.distributed._tools.mem_tracker import _TOTAL_KEY
+
+    def update_peak(peak_state: Any) -> None:
+        for device, snapshot in tracker._curr_mem_snap.items():
+            if tracker._peak_mem.get(device, 0) < snapshot[_TOTAL_KEY]:
+                tracker._peak_mem[device] = snapshot[_TOTAL_KEY]
+                tracker._peak_mem_snap[device] = dict(snapshot)
+
+    tracker._update_peak_stats = update_peak
+    return tracker
+
+
 class LiveBytes(TorchDispatchMode):
     """The peak bytes of live tensor storages: the model's, its gradients' and the optimizer's from the start, and
     every op's output after it, each freed when its storage is. No module hooks, so no breakdown by kind: for
@@ -101,11 +120,11 @@ class StepCounter:
         elif isinstance(model, FSDPModule) and optimizer is not None:
             from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
-            self.tracker = FSDPMemTracker(model, optimizer)
+            self.tracker = peak_only(FSDPMemTracker(model, optimizer))
         else:
             from torch.distributed._tools.mem_tracker import MemTracker
 
-            self.tracker = MemTracker()
+            self.tracker = peak_only(MemTracker())
             self.tracker.track_external(model, *([optimizer] if optimizer is not None else []))
 
     def _forget_top_level_call(self, module: torch.nn.Module, args: Any) -> None:

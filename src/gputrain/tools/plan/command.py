@@ -42,13 +42,16 @@ class Report:
 
 
 def global_batch(cfg: RunConfig, devices: int, nnodes: int) -> int:
-    """The batch one optimizer step of the recipe trains as configured (``--strategy auto``: trainer.batch_size)."""
-    from gputrain.strategies import strategy_class
+    """The batch one optimizer step of the recipe trains as configured (``--strategy auto``: trainer.batch_size):
+    the batch times its data-parallel size over the processes it starts (one per node for single, dp and
+    model_parallel, whose one process takes the whole batch)."""
+    from gputrain.strategies import processes_per_node, strategy_class
 
     t = cfg.trainer
     if t.strategy == "auto":
         return t.batch_size
-    return t.batch_size * strategy_class(t.strategy).data_parallel_size(devices * nnodes)
+    processes = processes_per_node(t.strategy, devices) * nnodes
+    return t.batch_size * strategy_class(t.strategy).data_parallel_size(processes)
 
 
 def _device(cfg: RunConfig) -> torch.device:
@@ -85,18 +88,20 @@ def make_report(cfg: RunConfig, *, devices: int, nnodes: int = 1, budget_text: s
     has_bn = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in work.model.modules())
 
     # The probe batch: this device's share of the data-parallel plans, small on a CPU (its time is linear in the
-    # batch), and never one whose predicted memory exceeds the budget.
+    # batch). On a GPU never one whose predicted memory exceeds the budget, and the probe's measured peak against
+    # its count is the allocator's overhead; a CPU has neither (the budget only bounds the plans).
     probe_batch = max(min(g // world or 1, 4 if device.type == "cpu" else g), 2 if has_bn else 1)
-    predicted_probe = memory.step_memory(work, probe_batch)
-    while predicted_probe.peak > budget and probe_batch > 1:
-        probe_batch //= 2
-        predicted_probe = memory.step_memory(work, probe_batch)
+    overhead = 0
+    if device.type == "cuda":
+        while memory.step_memory(work, probe_batch).peak > budget and probe_batch > 1:
+            probe_batch //= 2
     probe = measure_steps(work, probe_batch)
-    overhead = max((probe.cuda_peak_bytes or 0) - predicted_probe.peak, 0) if probe.cuda_peak_bytes else 0
+    if probe.cuda_peak_bytes:
+        overhead = max(probe.cuda_peak_bytes - memory.step_memory(work, probe_batch).peak, 0)
 
     shares, m, split = None, 1, None
-    wanted = (lambda label: not only or label == only)  # noqa: E731
-    if world > 1 and nnodes == 1 and any(wanted(x) for x in ("pipeline-gpipe", "pipeline-1f1b", "model_parallel")):
+    wanted = (lambda label: not only or only in (label, f"{label}+ac"))  # noqa: E731
+    if world > 1 and nnodes == 1 and any(wanted(x) for x in SPLIT_PLANS):
         m = micro_batch_count(cfg.parallel.micro_batches, world, g, has_bn)
         try:
             shares = block_shares(work, max(g // m, 1))
@@ -107,19 +112,17 @@ def make_report(cfg: RunConfig, *, devices: int, nnodes: int = 1, budget_text: s
         notes.append("pipeline and model_parallel plans are for one node; --nnodes > 1 plans ddp and fsdp")
     planner = Planner(work, world, g, budget, probe, shares, m, fsdp_units=shard_units(work.model),
                       cuda_overhead=overhead)
-    plans = [_attempt(planner.single, notes)] if wanted("single") else []
+    labels = ["single"]
     if world > 1:
         if g % world:
             notes.append(f"no ddp or fsdp plan: the global batch {g} does not divide over {world} devices")
         else:
-            plans += [_attempt(predict, notes) for label, predict in (("ddp", planner.ddp), ("fsdp", planner.fsdp))
-                      if wanted(label)]
-        if shares is not None and split is not None:
-            plans += [_attempt(lambda s=s: planner.split("pipeline", s, split), notes) for s in ("gpipe", "1f1b")
-                      if wanted(f"pipeline-{s}")]
-            if wanted("model_parallel"):
-                plans.append(_attempt(lambda: planner.split("model_parallel", "", split), notes))
-    plans += _checkpointed_plans(planner, wanted, probe_batch, notes)
+            labels += ["ddp", "fsdp"]
+        if split is not None:
+            labels += SPLIT_PLANS
+    plans = [_attempt(lambda x=x: _predict(planner, x, split), notes) for x in labels if not only or only == x]
+    plans += _checkpointed_plans(planner, [x for x in labels if not only or only == f"{x}+ac"], probe_batch,
+                                 notes, split)
     found = [p for p in plans if p is not None]
     notes += sorted(work.notes)
     if not found:
@@ -128,12 +131,24 @@ def make_report(cfg: RunConfig, *, devices: int, nnodes: int = 1, budget_text: s
                   time.perf_counter() - started)
 
 
-def _checkpointed_plans(planner: Planner, wanted: Any, probe_batch: int, notes: list[str]) -> list[Plan | None]:
-    """single, ddp and fsdp again with ``trainer.activation_checkpointing=true``: memory counted on the
-    checkpointed model, time from the plain probe scaled by one measured checkpointed step."""
-    labels = [x for x in ("single", "ddp", "fsdp") if wanted(f"{x}+ac") and (x == "single" or planner.devices > 1)]
-    if planner.devices > 1 and planner.global_batch % planner.devices:
-        labels = labels[:1]
+SPLIT_PLANS = ["pipeline-gpipe", "pipeline-1f1b", "model_parallel"]
+
+
+def _predict(planner: Planner, label: str, split: list[int] | None) -> Plan:
+    """The plan ``label`` names (``single``, ``ddp``, ``fsdp``, ``pipeline-gpipe``, ``pipeline-1f1b``,
+    ``model_parallel``)."""
+    if label == "model_parallel" or label.startswith("pipeline-"):
+        assert split is not None
+        strategy, _, schedule = label.partition("-")
+        return planner.split(strategy, schedule, split)
+    return getattr(planner, label)()  # type: ignore[no-any-return]
+
+
+def _checkpointed_plans(planner: Planner, labels: list[str], probe_batch: int, notes: list[str],
+                        split: list[int] | None) -> list[Plan | None]:
+    """The plans ``labels`` again with ``trainer.activation_checkpointing=true``: memory counted on the checkpointed
+    model (a pipeline stage recomputes its own blocks), time from the plain probe scaled by one measured
+    checkpointed step."""
     if not labels:
         return []
     try:
@@ -144,7 +159,7 @@ def _checkpointed_plans(planner: Planner, wanted: Any, probe_batch: int, notes: 
     plain = planner.probe.step_s  # measured at the same batch
     slower = measure_step(work, probe_batch).step_s / plain if plain > 0 else 1.0
     ac = dataclasses.replace(planner, work=work, probe=planner.probe.scaled(max(slower, 1.0)))
-    return [_attempt(lambda x=x: dataclasses.replace(getattr(ac, x)(), activation_checkpointing=True), notes)
+    return [_attempt(lambda x=x: dataclasses.replace(_predict(ac, x, split), activation_checkpointing=True), notes)
             for x in labels]
 
 

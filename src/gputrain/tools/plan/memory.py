@@ -28,7 +28,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
-from gputrain.engine.callbacks.memory import memory_parts
+from gputrain.engine.callbacks.memory import memory_parts, peak_only
 from gputrain.strategies.base import tensors_of
 from gputrain.tools.plan.workload import Workload
 
@@ -142,6 +142,14 @@ def _guarded(what: str, run: Callable[[], StepMemory]) -> StepMemory:
                                     f"{first[:160]})") from err
 
 
+def _once(work: Workload, key: tuple[Any, ...], count: Callable[[], StepMemory]) -> StepMemory:
+    """``count()``, or what it gave before for the same ``key`` on this workload (a pass on fake tensors takes
+    seconds for a ResNet-50; single and model_parallel on a CPU, GPipe and model_parallel's stages, share them)."""
+    if key not in work.counted:
+        work.counted[key] = count()
+    return work.counted[key]  # type: ignore[no-any-return]
+
+
 def step_memory(work: Workload, batch_size: int, *, held_gradients: bool = False) -> StepMemory:
     """One whole-model training step at ``batch_size`` on one device (single, DDP's replica, model_parallel on a CPU).
 
@@ -152,6 +160,10 @@ def step_memory(work: Workload, batch_size: int, *, held_gradients: bool = False
     instead: a real step at ``batch_size`` on the device, counted the same way, said in the plan's notes (and fake
     tensors are not tried again for it).
     """
+    return _once(work, ("step", batch_size, held_gradients), lambda: _step_memory(work, batch_size, held_gradients))
+
+
+def _step_memory(work: Workload, batch_size: int, held_gradients: bool) -> StepMemory:
     if work.runs_on_fake_tensors:
         try:
             return _guarded(f"model {type(work.model).__name__}",
@@ -163,21 +175,29 @@ def step_memory(work: Workload, batch_size: int, *, held_gradients: bool = False
 
 
 def _counted_step(work: Workload, model: nn.Module, inputs: Any, targets: Any, held_gradients: bool) -> StepMemory:
-    """Two training steps; the second counted by ``MemTracker`` at its peak (the first makes the optimizer state).
-    The batch counts as the run's does: it is on the device during the step."""
+    """A training step counted by ``MemTracker`` at its peak, the optimizer's state made first. The batch counts as
+    the run's does: it is on the device during the step."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
     optimizer = work.optimizer(model)
-    work.train_step(model, optimizer, inputs, targets)
-    if held_gradients:
-        for p in model.parameters():
-            if p.requires_grad:
-                p.grad = torch.zeros_like(p)
-    tracker = MemTracker()
+    make_optimizer_state(model, optimizer, keep_gradients=held_gradients)
+    tracker = peak_only(MemTracker())
     tracker.track_external(model, optimizer, *tensors_of((inputs, targets)))
     with tracker:
         work.train_step(model, optimizer, inputs, targets)
     return parts_of(tracker.get_tracker_snapshot("peak"))
+
+
+def make_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, *, keep_gradients: bool = False) -> None:
+    """The optimizer state a first training step leaves, made by one optimizer step on zero gradients (a whole
+    forward and backward cheaper; every trainable parameter is taken to get a gradient, as in the recipes' models).
+    ``keep_gradients``: the zero gradients stay allocated, as DDP's buckets hold them for the whole step."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    for p in trainable:
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    if not keep_gradients:
+        optimizer.zero_grad(set_to_none=True)
 
 
 def measured_step_memory(work: Workload, batch_size: int, held_gradients: bool = False) -> StepMemory:
@@ -198,7 +218,11 @@ def _fake_step_memory(work: Workload, batch_size: int, held_gradients: bool) -> 
 
 def fsdp_memory(work: Workload, batch_size: int, world_size: int, units: Sequence[str]) -> StepMemory:
     """One FSDP2 training step of one rank of ``world_size``, ``units`` sharded as gputrain's FSDP shards them."""
+    return _once(work, ("fsdp", batch_size, world_size, tuple(units)),
+                 lambda: _fsdp_memory(work, batch_size, world_size, units))
 
+
+def _fsdp_memory(work: Workload, batch_size: int, world_size: int, units: Sequence[str]) -> StepMemory:
     def run() -> StepMemory:
         from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
         from torch.distributed.device_mesh import init_device_mesh
@@ -216,8 +240,8 @@ def fsdp_memory(work: Workload, batch_size: int, world_size: int, units: Sequenc
                     fully_shard(model.get_submodule(name) if name else model, mesh=mesh)
                 inputs, targets = fake(work.batch(batch_size))
                 optimizer = work.optimizer(model)
-                work.train_step(model, optimizer, inputs, targets)
-                tracker = FSDPMemTracker(model, optimizer)
+                make_optimizer_state(model, optimizer)  # sharded state: the parameters are their shards
+                tracker = peak_only(FSDPMemTracker(model, optimizer))
                 tracker.track_inputs((inputs, targets))
                 with tracker:
                     work.train_step(model, optimizer, inputs, targets)
@@ -241,6 +265,12 @@ def stage_memory(work: Workload, split: Sequence[int], stage: int, *, batch_size
                  schedule: str) -> StepMemory:
     """Stage ``stage`` of the model cut before ``split``: its parameters, gradients and optimizer state, and the
     activations of the micro-batches it holds at once under ``schedule`` (model_parallel runs as gpipe)."""
+    return _once(work, ("stage", tuple(split), stage, batch_size, micro_batches, schedule),
+                 lambda: _stage_memory(work, split, stage, batch_size, micro_batches, schedule))
+
+
+def _stage_memory(work: Workload, split: Sequence[int], stage: int, batch_size: int, micro_batches: int,
+                  schedule: str) -> StepMemory:
     from gputrain.parallel.blocks import run_blocks, sequential_blocks, split_stages
     from gputrain.strategies.micro_batches import chunk_batch, split_size
 
@@ -266,7 +296,7 @@ def stage_memory(work: Workload, split: Sequence[int], stage: int, *, batch_size
             limit = in_flight_limit(len(stages), stage, len(chunks), schedule)
             last = stage == len(stages) - 1
 
-            def one_step(tracker: Any = None) -> None:
+            def one_step(tracker: Any) -> None:
                 pending: list[Any] = []
                 outputs: list[Any] = []  # the last stage's schedule keeps every micro-batch's output to the end
 
@@ -284,8 +314,7 @@ def stage_memory(work: Workload, split: Sequence[int], stage: int, *, batch_size
                         backward()
                     state = tuple(t.detach().requires_grad_(t.is_floating_point())
                                   for t in (x if isinstance(x, tuple) else (x,)))
-                    if tracker is not None:  # it refuses a root module called twice; the peak is kept apart
-                        tracker.reset_mod_stats()
+                    tracker.reset_mod_stats()  # it refuses a root module called twice; the peak is kept apart
                     with work.autocast():
                         pending.append((mine(*state), y))
                 while pending:
@@ -293,8 +322,8 @@ def stage_memory(work: Workload, split: Sequence[int], stage: int, *, batch_size
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
 
-            one_step()
-            tracker = MemTracker()
+            make_optimizer_state(mine, optimizer)
+            tracker = peak_only(MemTracker())
             tracker.track_external(mine, optimizer, *buffers)
             with tracker:
                 one_step(tracker)

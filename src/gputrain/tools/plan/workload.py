@@ -37,6 +37,8 @@ class Workload:
     """What the plan's reader should know about how figures were obtained."""
     runs_on_fake_tensors: bool = True
     """False once a fake step failed: the model's memory is then measured by real steps."""
+    counted: dict[tuple[Any, ...], Any] = field(default_factory=dict, repr=False)
+    """Memory already counted for this model, by what was counted: plans that share a step share its count."""
 
     @classmethod
     def from_config(cls, cfg: RunConfig, device: torch.device, precision: str, count: int = 8) -> Workload:
@@ -62,7 +64,7 @@ class Workload:
 
         model = copy.deepcopy(self.model)
         checkpoint_blocks(model, children_in_order=bool(self.split_points))
-        return dataclasses.replace(self, model=model, notes=self.notes)
+        return dataclasses.replace(self, model=model, notes=self.notes, counted={})
 
     def batch(self, size: int) -> tuple[Any, Any]:
         """``(inputs, targets)`` of ``size`` samples, on the CPU."""
