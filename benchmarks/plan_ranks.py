@@ -6,7 +6,7 @@ with ``trainer.measure_memory=true`` for two steps on 2 ranks; each rank's measu
 for that device. Memory counts are deterministic on a CPU (one run is the median of any number); ``--reps`` repeats
 the whole comparison to show it.
 
-Usage: ``python benchmarks/plan_ranks.py [--reps 1] [--json out.json]`` (generated data, CPU, about 4 minutes).
+Usage: ``python benchmarks/plan_ranks.py [--reps 1] [--json out.json] [--only autoencoder]`` (generated data, CPU, about 4 minutes).
 """
 
 from __future__ import annotations
@@ -59,6 +59,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--reps", type=int, default=1)
     parser.add_argument("--json", default="")
+    parser.add_argument("--only", default="", help="run the settings whose recipe contains this text")
     args = parser.parse_args()
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp_dir:
@@ -70,6 +71,8 @@ def main() -> None:
                     (["autoencoder"], frames)]
         for rep in range(args.reps):
             for i, (recipe, root) in enumerate(settings):
+                if args.only not in recipe[0]:
+                    continue
                 work = tmp / f"r{rep}-{i}"
                 work.mkdir()
                 rows += compare(recipe, root, work)

@@ -2,13 +2,15 @@
 # The GPU checklist: what a lent GPU machine must show, run in the order that tells the most first if the lease
 # runs out. python3 there has torch; wheels for what it lacks travel in .whl/ and are installed to /tmp/site.
 #
-#   bash scripts/gpu_check.sh                  # the whole checklist: tests, recipes, images
+#   bash scripts/gpu_check.sh                  # the whole checklist: stack, tests, recipes, images
 #   bash scripts/gpu_check.sh tests images     # some parts; a recipe's name runs that recipe's check alone
 #
+#   stack    versions, and a JPEG encoded and decoded by TorchCodec on the CPU and the GPU (every data set needs it)
 #   tests    the CUDA-marked tests (pytest -m cuda); failed when a test fails or none ran
 #   recipes  every built-in recipe (src/gputrain/recipes/*.yaml) for $EPOCHS epochs on generated data, with its
-#            own precision and at its real input size: ResNet-50 at 224 on 500x375 JPEGs, DeepLabv3+ on 512 crops,
-#            Mask R-CNN at COCO's training scale (shorter side 800); images/s and peak memory of each
+#            own precision and at its real input size: ResNet-50 at 224 on 500x375 JPEGs, DeepLabv3+ on 512 crops
+#            (twice: the recipe's mixed, then 16-mixed, every step logged with the loss scale), Mask R-CNN at COCO's
+#            training scale (shorter side 800); images/s and peak memory of each
 #   images   ResNet-50 images/s on real JPEGs and on synthetic data (gputrain bench throughput), decoding in the
 #            loader workers, then on the GPU (data.decode_on_device=true)
 #
@@ -18,14 +20,16 @@
 # Data sets and run folders stay on the machine ($GPU_DATA, $GPU_RUNS): made once, reused by later commands.
 #
 # Time: about 15 minutes for the whole list on an H100/H200 (estimated from earlier GPU runs, not yet timed as one).
-# Where one command may run at most 10 minutes, run the parts as separate commands (each about 5 minutes):
-#   bash scripts/gpu_check.sh tests autoencoder cifar10-resnet18 imagefolder-resnet50 resnet50-model-parallel
-#   bash scripts/gpu_check.sh ade20k-deeplabv3plus coco-maskrcnn
-#   bash scripts/gpu_check.sh images
-# and print the table of all three from their $OUT folders: python3 scripts/gpu_checklist.py table OUT1 OUT2 OUT3
-# (a command cut off by its time limit keeps the checks it finished in $OUT/checks: the same command prints them).
+# A lease is 15 minutes of device time in all, the machine's start included, and one command at most 10 minutes:
+# first `bash scripts/gpu_wheels.sh` here (the machine's Python lacks TorchCodec, OmegaConf and pycocotools), then
+# one command that carries .whl and puts the open questions first, stopping new checks at BUDGET_S seconds:
+#   BUDGET_S=420 EPOCHS=2 bash scripts/gpu_check.sh stack tests ade20k-deeplabv3plus images imagefolder-resnet50 coco-maskrcnn
+# (docs/testing.md). Checks not started for the budget get a "skipped: not started" row; a command cut off by its
+# time limit keeps the checks it finished in $OUT/checks, and `python3 scripts/gpu_checklist.py table OUT ...`
+# prints the table of several commands' folders.
 #
-# Settings (environment; defaults in brackets): GPU_ACC [cuda], PYTHON [python3], EPOCHS [3], WORKERS
+# Settings (environment; defaults in brackets): GPU_ACC [cuda], PYTHON [python3], BUDGET_S (no check starts after
+# this many seconds; 0: no limit) [0], EPOCHS [3], WORKERS
 # (data.num_workers) [auto], GPU_ARGS (overrides added to every run, e.g. trainer.log_every_n_steps=1 to see where a
 # NaN begins) [none],
 # counts of generated images FRAMES_COUNT [2000], CIFAR_COUNT [12000], PER_CLASS (JPEGs per class, 10 classes)
@@ -46,14 +50,16 @@ RECIPES="autoencoder cifar10-resnet18 imagefolder-resnet50 resnet50-model-parall
 for f in src/gputrain/recipes/*.yaml; do
   [[ " $RECIPES " == *" $(basename "$f" .yaml) "* ]] || RECIPES="$RECIPES $(basename "$f" .yaml)"
 done
-PARTS=${*:-tests recipes images}
+PARTS=${*:-stack tests recipes images}
 for part in $PARTS; do  # every name is checked before anything runs
-  [[ " tests recipes images fast bench $RECIPES " == *" $part "* ]] && continue
-  echo "gpu_check.sh: no part $part; parts: tests recipes images fast bench, or a recipe: $RECIPES" >&2
+  [[ " stack tests recipes images fast bench $RECIPES " == *" $part "* ]] && continue
+  echo "gpu_check.sh: no part $part; parts: stack tests recipes images fast bench, or a recipe: $RECIPES" >&2
   exit 2
 done
 mkdir -p "$OUT/logs"
-if [ -d /tmp/site/omegaconf ]; then  # installed by an earlier command on the same machine
+if $PY -c "import omegaconf, pycocotools, torchcodec.decoders" 2>/dev/null; then  # this Python has them all
+  export PYTHONPATH=$PWD/src
+elif [ -d /tmp/site/omegaconf ]; then  # installed by an earlier command on the same machine
   export PYTHONPATH=/tmp/site:$PWD/src
 elif ls .whl/*.whl >/dev/null 2>&1; then
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -85,12 +91,19 @@ make_jpegs() {  # 10 classes of 500x375 JPEGs, as ImageNet's photos (scripts/ima
     && mv "$D/jpegs.part" "$D/jpegs-$PER_CLASS"
 }
 
+over_budget() {  # NAME SETTING: true (and a "not started" row) once BUDGET_S seconds are spent
+  [ "${BUDGET_S:-0}" -gt 0 ] && [ "$SECONDS" -ge "$BUDGET_S" ] || return 1
+  check mark "$1" skipped --why "not started: the budget of BUDGET_S=$BUDGET_S s was spent" --setting "$2"
+}
+
 recipe() {  # NAME SETTING OVERRIDES...: one recipe for $EPOCHS epochs as users run it, then its verdict
   local name=$1 setting=$2; shift 2
+  local label=${LABEL:-$name}; local slug=${label// /_}  # LABEL: a second run of one recipe (another precision)
+  over_budget "$label" "$setting" && return
   # shellcheck disable=SC2086  # GPU_ARGS is a list of overrides
-  $PY -m gputrain train "$name" --accelerator "$ACC" --epochs "$EPOCHS" --out "$R/$name" --overwrite \
-    trainer.progress_bar=false data.num_workers="$WORKERS" "$@" $GPU_ARGS 2>&1 | tee "$OUT/logs/$name.log"
-  check recipe "$name" "$R/$name" --exit-code "${PIPESTATUS[0]}" --log "$OUT/logs/$name.log" --setting "$setting"
+  $PY -m gputrain train "$name" --accelerator "$ACC" --epochs "$EPOCHS" --out "$R/$slug" --overwrite \
+    trainer.progress_bar=false data.num_workers="$WORKERS" "$@" $GPU_ARGS 2>&1 | tee "$OUT/logs/$slug.log"
+  check recipe "$label" "$R/$slug" --exit-code "${PIPESTATUS[0]}" --log "$OUT/logs/$slug.log" --setting "$setting"
 }
 
 run_recipe() {  # the data and settings of each built-in recipe
@@ -105,10 +118,19 @@ run_recipe() {  # the data and settings of each built-in recipe
       make_jpegs
       recipe imagefolder-resnet50 "$((PER_CLASS * 10)) JPEGs of 500x375, crops of $RESNET_SIZE" --data-root "$JPEGS" \
         data.image_size="$RESNET_SIZE" ;;
-    ade20k-deeplabv3plus)
+    ade20k-deeplabv3plus)  # the recipe's mixed (bf16 where the GPU has it), then 16-mixed: every step logged
       make_data ade20k "ade20k-${ADE_SIZE:=512}-${ADE_COUNT:=640}" "$ADE_COUNT" "$ADE_SIZE"
-      recipe ade20k-deeplabv3plus "$ADE_COUNT images of ${ADE_SIZE}x$ADE_SIZE, crops of $ADE_SIZE, 8 classes" \
-        --data-root "$D/ade20k-$ADE_SIZE-$ADE_COUNT" data.image_size="$ADE_SIZE" data.num_classes=8 ;;
+      local ade="$ADE_COUNT images of ${ADE_SIZE}x$ADE_SIZE, crops of $ADE_SIZE, 8 classes"
+      recipe ade20k-deeplabv3plus "$ade" --data-root "$D/ade20k-$ADE_SIZE-$ADE_COUNT" data.image_size="$ADE_SIZE" \
+        data.num_classes=8 trainer.log_every_n_steps=1
+      if [ "$ACC" != cuda ]; then  # float16 autocast has no fast CPU kernels (docs/precision.md): nothing to learn
+        check mark "ade20k-deeplabv3plus 16-mixed" skipped --why "no GPU (float16 is 20-35x slower on a CPU)" \
+          --setting "$ade"
+      else
+        LABEL="ade20k-deeplabv3plus 16-mixed" recipe ade20k-deeplabv3plus "$ade" --data-root \
+          "$D/ade20k-$ADE_SIZE-$ADE_COUNT" data.image_size="$ADE_SIZE" data.num_classes=8 \
+          trainer.log_every_n_steps=1 trainer.precision=16-mixed
+      fi ;;
     coco-maskrcnn)
       make_data coco "coco-${COCO_SIZE:=640}-${COCO_COUNT:=400}" "$COCO_COUNT" "$COCO_SIZE"
       recipe coco-maskrcnn "$COCO_COUNT images of ${COCO_SIZE}x$COCO_SIZE resized to shorter side ${COCO_MIN:=800}" \
@@ -127,6 +149,7 @@ images() {  # ResNet-50 images/s, real JPEGs and synthetic, decoding in the work
   for dod in false true; do
     local name="ResNet-50 images/s, JPEGs decoded in the workers"
     [ $dod = false ] || name="ResNet-50 images/s, JPEGs decoded on the GPU"
+    over_budget "$name" "$((PER_CLASS * 10)) JPEGs of 500x375, crops of $RESNET_SIZE" && continue
     if [ $dod = true ] && [ "$ACC" != cuda ]; then  # on a CPU the same decoder runs, later: nothing to measure
       check mark "$name" skipped --why "no GPU (nvJPEG decoding needs CUDA)" --setting data.decode_on_device=true
       continue
@@ -140,7 +163,39 @@ images() {  # ResNet-50 images/s, real JPEGs and synthetic, decoding in the work
   done
 }
 
+stack() {  # what the machine has, and whether TorchCodec decodes a JPEG there (the data sets need it)
+  over_budget "stack" "" && return
+  $PY - "$ACC" > "$OUT/logs/stack.log" 2>&1 <<'PY'
+import sys
+
+import torch, torchcodec, torchvision
+from torchcodec.decoders import decode_jpeg
+from torchcodec.encoders import JpegEncoder
+
+print(f"torch {torch.__version__}, torchvision {torchvision.__version__}, torchcodec {torchcodec.__version__}, "
+      f"python {sys.version.split()[0]}" + (f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""))
+image = torch.zeros(3, 64, 48, dtype=torch.uint8)
+image[0] = 200
+data = JpegEncoder(image).to_tensor(quality=95)
+cpu = decode_jpeg(data)
+assert cpu.shape == (3, 64, 48), cpu.shape
+if sys.argv[1] == "cuda":
+    gpu = decode_jpeg(data, device="cuda").cpu()
+    print(f"JPEG decoded on the CPU and the GPU: largest difference {(gpu.int() - cpu.int()).abs().max().item()}")
+else:
+    print("JPEG decoded on the CPU")
+PY
+  local code=$?
+  cat "$OUT/logs/stack.log"
+  if [ $code = 0 ]; then
+    check mark "stack" pass --why "$(paste -sd ';' "$OUT/logs/stack.log")"
+  else
+    check mark "stack" fail --why "$(grep -v '^ ' "$OUT/logs/stack.log" | tail -n 1)" --setting "$(head -n 1 "$OUT/logs/stack.log")"
+  fi
+}
+
 cuda_tests() {
+  over_budget "CUDA tests" "pytest -m cuda tests" && return
   if [ "$ACC" != cuda ]; then
     check mark "CUDA tests" skipped --why "no GPU (GPU_ACC=$ACC)" --setting "pytest -m cuda tests"
     return
@@ -152,6 +207,7 @@ cuda_tests() {
 
 for part in $PARTS; do
   case $part in
+    stack) stack ;;
     tests) cuda_tests ;;
     recipes) for name in $RECIPES; do run_recipe "$name"; done ;;
     images) images ;;

@@ -7,12 +7,12 @@ of several commands (a 30-minute lease is run as several commands of at most 10 
     python scripts/gpu_checklist.py recipe NAME RUN_FOLDER --exit-code N --log LOG --setting TEXT --out OUT
     python scripts/gpu_checklist.py images NAME BENCH_FOLDER --exit-code N --log LOG --setting TEXT --out OUT
     python scripts/gpu_checklist.py tests JUNIT_XML --exit-code N --log LOG --out OUT
-    python scripts/gpu_checklist.py mark NAME {skipped,fail} --why TEXT --setting TEXT --out OUT
+    python scripts/gpu_checklist.py mark NAME {pass,skipped,fail} --why TEXT --setting TEXT --out OUT
     python scripts/gpu_checklist.py table OUT [OUT ...]   # the markdown table; exit 1 when a check failed
 
 A check fails when its command exited non-zero (exit 3 is a diverged run: NaN/inf), when any loss its run
 logged is not finite (written as ``null`` in metrics.jsonl), or, for the CUDA tests, when a test failed or
-none ran. Only the standard library is used: this runs wherever the runs' files are, with or without torch.
+none ran. A 16-mixed run's row also says how many steps the loss scaler skipped and the scale it ended with. Only the standard library is used: this runs wherever the runs' files are, with or without torch.
 """
 
 from __future__ import annotations
@@ -40,6 +40,14 @@ def losses_finite(records: list[dict[str, Any]]) -> bool:
     """Every logged loss is a finite number; gputrain writes a NaN or inf as null."""
     return all(isinstance(v, (int, float)) and math.isfinite(v)
                for r in records for k, v in r.items() if k.endswith("loss"))
+
+
+def skipped_steps(records: list[dict[str, Any]]) -> tuple[int, float] | None:
+    """16-mixed: how many steps the loss scaler skipped, and its last scale; None for other precisions."""
+    scales = [r["train/loss_scale"] for r in records if isinstance(r.get("train/loss_scale"), (int, float))]
+    if not scales:
+        return None
+    return int(sum(r.get("train/skipped_steps") or 0 for r in records)), scales[-1]
 
 
 def steady_images_per_s(records: list[dict[str, Any]]) -> float | None:
@@ -92,6 +100,9 @@ def check_recipe(name: str, run: Path, exit_code: int, log: Path | None, setting
             result["loss"] = f"finite, last {last:.3g}"
     elif result["verdict"] == "pass":
         result |= {"verdict": "fail", "why": "no summary.json: the run did not finish"}
+    skipped = skipped_steps(read_metrics(run))
+    if skipped:  # 16-mixed: steps the loss scaler skipped, and the scale it ended with
+        result["loss"] = (result["loss"] + f"; {skipped[0]} step(s) skipped, scale {skipped[1]:g}").lstrip("; ")
     result["images_per_s"] = steady_images_per_s(read_metrics(run))
     return result
 
@@ -185,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("junit", type=Path)
     p = sub.add_parser("mark")
     p.add_argument("name")
-    p.add_argument("verdict", choices=("skipped", "fail"))
+    p.add_argument("verdict", choices=("pass", "skipped", "fail"))
     p.add_argument("--why", required=True)
     for p in sub.choices.values():
         p.add_argument("--out", type=Path, required=True)

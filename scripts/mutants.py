@@ -42,6 +42,7 @@ REPORT = "tests/unit/test_report.py"
 UNITS = "tests/unit/test_units.py"
 CHECKLIST = "tests/unit/test_gpu_checklist.py"
 UINT8 = "tests/unit/test_device_normalize_tasks.py"
+F16 = "tests/unit/test_float16_skips.py"
 
 
 @dataclass(frozen=True)
@@ -915,6 +916,24 @@ FAULTS: tuple[Fault, ...] = (
             "dataclasses.replace(_predict(ac if not x.startswith('pipeline') else planner, x, split), "
             "activation_checkpointing=True)"),),
           ("tests/e2e/test_plan_measured.py::test_activation_checkpointing_plans_keep_fewer_activations_and_fit_larger_batches",)),
+    Fault("[30] the first pipeline stage's input (the batch) given a gradient in the plan", "src/gputrain/tools/plan/memory.py",
+          (("t.is_floating_point() and stage > 0)", "t.is_floating_point())"),),
+          ("tests/e2e/test_plan_measured.py::test_a_small_models_pipeline_stages_count_the_batch_and_the_buffers_around_them",)),
+    # -- issue 31: a step the float16 loss scaler skips is not a diverged run ------------------------------------
+    Fault("[31] a skipped step leaves the forward's BatchNorm statistics (NaN after an overflow)", "src/gputrain/precision.py",
+          (("        if not stepped and self._saved:", "        if False:"),),
+          (f"{F16}::test_a_forward_that_overflows_float16_is_skipped_and_leaves_the_model_as_it_was",)),
+    Fault("[31] a skipped step's loss kept in the logged loss", "src/gputrain/engine/state.py",
+          (("        if stepped:\n            self.loss_sum.add_(self._step_sum)",
+            "        if True:\n            self.loss_sum.add_(self._step_sum)"),),
+          (f"{F16}::test_a_forward_that_overflows_float16_is_skipped_and_leaves_the_model_as_it_was",)),
+    Fault("[31] skipped samples counted in the loss's mean", "src/gputrain/engine/state.py",
+          (("        counted = self.epoch_samples - self.epoch_skipped\n", "        counted = self.epoch_samples\n"),),
+          (f"{F16}::test_a_skipped_step_is_left_out_of_the_logged_loss_not_averaged_in",)),
+    Fault("[31] no limit on skipped steps in a row (a float16 overflow trains on, skipping every step)",
+          "src/gputrain/engine/state.py",
+          (("        if self.in_a_row < self.LIMIT:", "        if True:"),),
+          (f"{F16}::test_a_forward_that_always_overflows_ends_the_run_in_one_line_naming_the_cause",)),
 )
 
 

@@ -4,6 +4,10 @@
 and scales the loss with a ``GradScaler`` (whose state goes into checkpoints, since a
 resumed run must start from the same scale). ``bf16-mixed`` autocasts to bfloat16, whose
 exponent range makes loss scaling unnecessary.
+
+A step the scaler skips (its gradients held inf/NaN) leaves the model as it was: the scaler keeps the
+parameters, and :meth:`MixedPrecision.begin_step` keeps a copy of the buffers, which the forward changes before
+the scaler decides (BatchNorm's running statistics: a forward that overflowed float16 would leave them NaN).
 """
 
 from __future__ import annotations
@@ -24,6 +28,9 @@ class Precision:
     def __init__(self, device: torch.device) -> None:
         self.device = device
 
+    def begin_step(self, module: nn.Module) -> None:
+        """Called before the first forward of each optimizer step."""
+
     @contextlib.contextmanager
     def forward_context(self) -> Iterator[None]:
         yield
@@ -38,6 +45,10 @@ class Precision:
         """Step the optimizer; returns False when the step was skipped (non-finite gradients)."""
         optimizer.step()
         return True
+
+    def log_values(self) -> dict[str, float]:
+        """What a logging step records of the precision (the loss scale of 16-mixed)."""
+        return {}
 
     def state_dict(self) -> dict[str, Any]:
         return {}
@@ -57,6 +68,20 @@ class MixedPrecision(Precision):
         self.dtype = dtype
         self.name = "16-mixed" if dtype == torch.float16 else "bf16-mixed"
         self.scaler = torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
+        self._buffers: list[torch.Tensor] = []
+        self._saved: list[torch.Tensor] = []
+
+    def begin_step(self, module: nn.Module) -> None:
+        if self.scaler is None:
+            return
+        buffers = list(module.buffers())
+        if not buffers:
+            return
+        with torch.no_grad():
+            if len(buffers) == len(self._buffers) and all(a is b for a, b in zip(buffers, self._buffers, strict=True)):
+                torch._foreach_copy_(self._saved, buffers)  # one fused copy per step, into the same memory
+            else:  # first step, or the module's buffers were replaced
+                self._buffers, self._saved = buffers, [b.detach().clone() for b in buffers]
 
     @contextlib.contextmanager
     def forward_context(self) -> Iterator[None]:
@@ -78,7 +103,14 @@ class MixedPrecision(Precision):
         self.scaler.step(optimizer)
         self.scaler.update()
         # GradScaler lowers the scale exactly when it skipped the step for inf/NaN gradients.
-        return self.scaler.get_scale() >= scale_before
+        stepped = self.scaler.get_scale() >= scale_before
+        if not stepped and self._saved:
+            with torch.no_grad():
+                torch._foreach_copy_(self._buffers, self._saved)
+        return stepped
+
+    def log_values(self) -> dict[str, float]:
+        return {"train/loss_scale": self.scaler.get_scale()} if self.scaler else {}
 
     def state_dict(self) -> dict[str, Any]:
         return {"scaler": self.scaler.state_dict()} if self.scaler else {}

@@ -99,3 +99,19 @@ def test_the_cuda_tests_fail_when_one_fails_or_none_ran(tmp_path):
         done = _checklist("table", out)
         assert done.returncode == (0 if case == "passed" else 1), case
         assert _row(done.stdout, "CUDA tests").endswith(result), done.stdout
+
+
+def test_a_16_mixed_run_says_how_many_steps_the_loss_scaler_skipped(tmp_path):
+    """A 16-mixed run logs train/loss_scale, and train/skipped_steps once a step was skipped: the row sums them."""
+    run = tmp_path / "run"
+    _train(str(run), "single", 1, batch_size=16)
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "lr" in r]
+    assert len(steps) >= 2
+    for i, r in enumerate(steps):
+        r |= {"train/loss_scale": 65536.0 / 2 ** min(i + 1, 2), "train/skipped_steps": 1.0 if i < 2 else 0.0}
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    out = tmp_path / "out"
+    _checklist("recipe", "ade20k-deeplabv3plus 16-mixed", run, "--out", out)
+    row = _row(_checklist("table", out).stdout, "ade20k-deeplabv3plus 16-mixed")
+    assert "; 2 step(s) skipped, scale 16384 |" in row and row.endswith("| pass |")

@@ -113,11 +113,11 @@ class Checkpointer:
 
             prune_sharded_folders(self.store.folder)
 
-    def non_finite(self, what: str, progress: TrainState) -> NonFiniteError:
+    def non_finite(self, what: str, progress: TrainState, fix: str = "") -> NonFiniteError:
         """The error that ends a diverged run, naming the newest whole checkpoint, which is kept (a collective)."""
         self.writer.wait()  # the save in flight (finite: it was checked) counts as the last good one
         last = self.store.latest_valid() if self.dist.is_main else None
-        return non_finite_error(what, progress, str(comm.broadcast_object(str(last) if last else "")))
+        return non_finite_error(what, progress, str(comm.broadcast_object(str(last) if last else "")), fix)
 
     def _wait_for_shards(self) -> None:
         shards, self._shards = self._shards, None
@@ -130,11 +130,11 @@ class Checkpointer:
                 print(f"gputrain: warning: rank {self.dist.rank} could not write its shards: {err}", file=sys.stderr)
 
 
-def non_finite_error(what: str, progress: TrainState, last: str) -> NonFiniteError:
+def non_finite_error(what: str, progress: TrainState, last: str, fix: str = "") -> NonFiniteError:
     kept = f"the last good checkpoint, {last}, is kept" if last else "no checkpoint had been written"
     return NonFiniteError(
         f"{what} became NaN/inf at epoch {progress.epoch + 1} step {progress.global_step}; nothing non-finite was "
-        f"written ({kept}); lower optim.lr or set trainer.grad_clip_norm"
+        f"written ({kept}); {fix or 'lower optim.lr or set trainer.grad_clip_norm'}"
     )
 
 

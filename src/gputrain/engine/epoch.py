@@ -73,6 +73,7 @@ def run_epoch(loop: Loop, state: TrainState, window: LossWindow, hooks: Hooks, *
         n_step = plan.step_size(k)
         uneven = any(not share for share in micro_batches[-1])  # some rank has nothing in the last micro-batch
         data_waits.clear()
+        loop.precision.begin_step(module)
         for m, shares in enumerate(micro_batches):
             last = m == len(micro_batches) - 1
             n = len(shares[dp_rank])
@@ -102,7 +103,11 @@ def run_epoch(loop: Loop, state: TrainState, window: LossWindow, hooks: Hooks, *
             window.add(loss, n)
         if uneven and not join_empty:
             strategy.finish_gradients(module)
-        optimizer_step(loop, state, hooks)
+        stepped = optimizer_step(loop, state, hooks)
+        overflowing = loop.skips.count(stepped, window, state)
+        if overflowing:
+            raise loop.non_finite(overflowing[0], state, fix=overflowing[1])
+        window.end_step(stepped=stepped)
         if loop.first_step_s is None:  # with trainer.compile, the compile time is in here
             loop.first_step_s = time.perf_counter() - step_start
         state.samples_seen += n_step
@@ -110,30 +115,39 @@ def run_epoch(loop: Loop, state: TrainState, window: LossWindow, hooks: Hooks, *
         logs = None
         if t.log_every_n_steps and state.global_step % t.log_every_n_steps == 0:
             mean_loss, now = window.flush(), time.perf_counter()
-            logs = {"train/loss": mean_loss, "lr": optimizer.param_groups[0]["lr"],
-                    "train/images_per_s": window.flushed_samples / (now - logged_at) if now > logged_at else 0.0}
+            logs = {"lr": optimizer.param_groups[0]["lr"],
+                    "train/images_per_s": window.flushed_samples / (now - logged_at) if now > logged_at else 0.0,
+                    **loop.precision.log_values(), **loop.skips.log_values()}
             logged_at = now
-            if not math.isfinite(logs["train/loss"]):  # all-reduced, so every rank agrees
-                raise loop.non_finite("the training loss", state)
+            if window.flushed_skipped < window.flushed_samples:  # else the scaler skipped every step: no loss
+                if not math.isfinite(mean_loss):  # all-reduced, so every rank agrees
+                    raise loop.non_finite("the training loss", state)
+                logs = {"train/loss": mean_loss, **logs}
         hooks("after_step", logs)
         after_step()
     window.flush()
     train_s = time.perf_counter() - start
-    epoch_loss = window.epoch_loss_sum / max(window.epoch_samples, 1)
+    epoch_loss = window.epoch_loss
     trained_here = window.epoch_samples - window.carried_samples  # for throughput: not the samples before a resume
     # Always, whatever the checkpoint settings: a diverged run ends here with a clear error.
-    if not math.isfinite(epoch_loss) or not loop.all_finite():
+    if not math.isfinite(epoch_loss) and window.epoch_skipped < window.epoch_samples or not loop.all_finite():
         raise loop.non_finite("the training loss" if not math.isfinite(epoch_loss) else "the weights", state)
-    return {
+    metrics = {
         "train/loss": epoch_loss,
         "train/samples": window.epoch_samples,
         "train/steps": state.step_in_epoch,
         "time/train_s": train_s,
         "train/images_per_s": trained_here / train_s if train_s > 0 else 0.0,
     }
+    if window.epoch_skipped:
+        metrics["train/skipped_samples"] = window.epoch_skipped
+    if not math.isfinite(epoch_loss):  # the scaler skipped every step of the epoch: there is no loss to report
+        del metrics["train/loss"]
+    return metrics
 
 
-def optimizer_step(loop: Loop, state: TrainState, hooks: Hooks) -> None:
+def optimizer_step(loop: Loop, state: TrainState, hooks: Hooks) -> bool:
+    """One optimizer step and the schedule's; returns False when the loss scaler skipped it (16-mixed overflow)."""
     clip, optimizer = loop.cfg.trainer.grad_clip_norm, loop.optimizer
     assert optimizer is not None
     hooks("before_optimizer_step")
@@ -149,3 +163,4 @@ def optimizer_step(loop: Loop, state: TrainState, hooks: Hooks) -> None:
             warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()` before"))
         loop.scheduler.step()
     state.global_step += 1
+    return stepped

@@ -25,7 +25,7 @@ from gputrain.config.schema import RunConfig
 from gputrain.data.samplers import SeededSamples, StepBatchSampler
 from gputrain.dist import DistInfo, comm
 from gputrain.engine.fast import apply_backend_flags, prepare_model
-from gputrain.engine.state import seed_everything
+from gputrain.engine.state import SkippedSteps, seed_everything
 from gputrain.errors import NonFiniteError
 from gputrain.optim import build_scheduler, scaled_lr
 from gputrain.precision import Precision, build_precision
@@ -56,6 +56,11 @@ class Loop:
     """How the learning rate was chosen, for the start-up line."""
     first_step_s: float | None = None
     """Seconds of this process's first optimizer step (compilation included when ``trainer.compile``)."""
+    skips: SkippedSteps = dataclasses.field(init=False)
+    """Steps the loss scaler skipped (16-mixed), and the limit that ends a run."""
+
+    def __post_init__(self) -> None:
+        self.skips = SkippedSteps(self.dist.is_main, self.precision)
 
     @property
     def parts(self) -> Parts:
@@ -77,11 +82,11 @@ class Loop:
         """Whether weights, buffers and optimizer state are finite on every rank (a collective)."""
         return all_finite(self.parts)
 
-    def non_finite(self, what: str, state: TrainState) -> NonFiniteError:
+    def non_finite(self, what: str, state: TrainState, fix: str = "") -> NonFiniteError:
         """The one-line error of a diverged run, naming the last good checkpoint (a collective)."""
         if self.checkpointer is not None:
-            return self.checkpointer.non_finite(what, state)
-        return non_finite_error(what, state, "")
+            return self.checkpointer.non_finite(what, state, fix)
+        return non_finite_error(what, state, "", fix)
 
 
 def resolved(cfg: RunConfig, dist: DistInfo, task: Task, resume: dict[str, Any] | None) -> tuple[RunConfig, FastPath]:

@@ -101,7 +101,7 @@ class ParityHook(Hook):
         append_record({"kind": "grads", "mode": self.mode, "step": len(self.losses) + 1, "unused": self.pending})
 
     def after_step(self, ctx: RunContext, logs: dict[str, float] | None) -> None:
-        self.losses.append(float(logs["train/loss"]) if logs else math.nan)
+        self.losses.append(float(logs.get("train/loss", math.nan)) if logs else math.nan)
         self.samples.append(sorted(self.recorder.take()))
         self.unused.append(self.pending if self.pending is not None else self.usage.take())
         self.pending = None

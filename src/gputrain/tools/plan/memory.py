@@ -312,7 +312,9 @@ def _stage_memory(work: Workload, split: Sequence[int], stage: int, batch_size: 
                 for x, (_, y) in zip(received, chunks, strict=True):
                     if len(pending) == limit:
                         backward()
-                    state = tuple(t.detach().requires_grad_(t.is_floating_point())
+                    # A later stage's input is an activation whose gradient goes back to the stage before; the first
+                    # stage's is the batch, which needs none (torch's first stage computes no input gradient).
+                    state = tuple(t.detach().requires_grad_(t.is_floating_point() and stage > 0)
                                   for t in (x if isinstance(x, tuple) else (x,)))
                     tracker.reset_mod_stats()  # it refuses a root module called twice; the peak is kept apart
                     with work.autocast():
