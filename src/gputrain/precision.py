@@ -46,8 +46,9 @@ class Precision:
         optimizer.step()
         return True
 
-    def log_values(self) -> dict[str, float]:
-        """What a logging step records of the precision (the loss scale of 16-mixed)."""
+    def log_values(self, skipped_steps: int = 0) -> dict[str, float]:
+        """What a logging step records of the precision: 16-mixed's loss scale, and the steps of the window that
+        its scaler skipped."""
         return {}
 
     def state_dict(self) -> dict[str, Any]:
@@ -60,6 +61,46 @@ class Precision:
         return module
 
 
+class BufferSnapshot:
+    """A module's buffers as they were before a step, put back when the step is skipped.
+
+    One ``torch._foreach_copy_`` into the same memory each step while the module keeps its buffer tensors; a module
+    that replaced one (a forward that assigns ``self.stat = ...``) is restored by name into its current tensors.
+    """
+
+    def __init__(self) -> None:
+        self.module: nn.Module | None = None
+        self.names: list[str] = []
+        self.sources: list[torch.Tensor] = []
+        self.saved: list[torch.Tensor] = []
+
+    def _same(self, buffers: list[torch.Tensor]) -> bool:
+        return len(buffers) == len(self.sources) and all(a is b for a, b in zip(buffers, self.sources, strict=True))
+
+    @torch.no_grad()
+    def take(self, module: nn.Module) -> None:
+        buffers = list(module.buffers())
+        if buffers and module is self.module and self._same(buffers):
+            torch._foreach_copy_(self.saved, buffers)
+        else:
+            self.module, self.sources = module, buffers
+            self.names = [name for name, _ in module.named_buffers()]
+            self.saved = [b.detach().clone() for b in buffers]
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        if self.module is None or not self.saved:
+            return
+        buffers = list(self.module.buffers())
+        if self._same(buffers):
+            torch._foreach_copy_(buffers, self.saved)
+            return
+        current = dict(self.module.named_buffers())
+        for name, value in zip(self.names, self.saved, strict=True):
+            if name in current and current[name].shape == value.shape:
+                current[name].copy_(value)
+
+
 class MixedPrecision(Precision):
     """Autocast to ``dtype``; with float16 also a GradScaler."""
 
@@ -68,20 +109,11 @@ class MixedPrecision(Precision):
         self.dtype = dtype
         self.name = "16-mixed" if dtype == torch.float16 else "bf16-mixed"
         self.scaler = torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
-        self._buffers: list[torch.Tensor] = []
-        self._saved: list[torch.Tensor] = []
+        self._before_step = BufferSnapshot()
 
     def begin_step(self, module: nn.Module) -> None:
-        if self.scaler is None:
-            return
-        buffers = list(module.buffers())
-        if not buffers:
-            return
-        with torch.no_grad():
-            if len(buffers) == len(self._buffers) and all(a is b for a, b in zip(buffers, self._buffers, strict=True)):
-                torch._foreach_copy_(self._saved, buffers)  # one fused copy per step, into the same memory
-            else:  # first step, or the module's buffers were replaced
-                self._buffers, self._saved = buffers, [b.detach().clone() for b in buffers]
+        if self.scaler is not None:
+            self._before_step.take(module)
 
     @contextlib.contextmanager
     def forward_context(self) -> Iterator[None]:
@@ -104,13 +136,14 @@ class MixedPrecision(Precision):
         self.scaler.update()
         # GradScaler lowers the scale exactly when it skipped the step for inf/NaN gradients.
         stepped = self.scaler.get_scale() >= scale_before
-        if not stepped and self._saved:
-            with torch.no_grad():
-                torch._foreach_copy_(self._buffers, self._saved)
+        if not stepped:
+            self._before_step.restore()
         return stepped
 
-    def log_values(self) -> dict[str, float]:
-        return {"train/loss_scale": self.scaler.get_scale()} if self.scaler else {}
+    def log_values(self, skipped_steps: int = 0) -> dict[str, float]:
+        if self.scaler is None:
+            return {}
+        return {"train/loss_scale": self.scaler.get_scale(), "train/skipped_steps": float(skipped_steps)}
 
     def state_dict(self) -> dict[str, Any]:
         return {"scaler": self.scaler.state_dict()} if self.scaler else {}

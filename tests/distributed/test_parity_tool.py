@@ -56,6 +56,13 @@ class RankDropNet(nn.Module):
         return self.head(h)
 
 
+def build_mlp() -> TaskSpec:
+    x = torch.randn(32, 4, generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    return TaskSpec(task=Task(F.mse_loss), model=nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1)),
+                    train_data=TensorDataset(x, x.sum(1, keepdim=True)), val_data=None)
+
+
 def build_bn() -> TaskSpec:
     return TaskSpec(task=Task(F.cross_entropy), model=BNNet(), train_data=_data(), val_data=None)
 
@@ -125,6 +132,18 @@ def test_parity_passes_on_a_tiny_resnet18_classifier(tmp_path):
     assert _row(report, "dp").status == "PASS"
     # BatchNorm over micro-batches of 4 cannot equal BatchNorm over 8: reported, not failed.
     assert _row(report, "accumulation").status in ("PASS", "WARN")
+
+
+def test_parity_at_16_mixed_passes_modes_whose_loss_scaler_skipped_the_same_steps():
+    """16-mixed's first steps are skipped while the scale settles (no loss logged for them): the same steps in both
+    modes are equal, not NaN against NaN. Planted fault: any NaN in a mode's losses fails it."""
+    from gputrain.config import OptimConfig, RunConfig, TrainerConfig
+
+    cfg = RunConfig(trainer=TrainerConfig(precision="16-mixed", batch_size=8), optim=OptimConfig(name="sgd", lr=0.01))
+    report = check_parity(build_mlp, cfg, modes=["accumulation"], global_batch=8, steps=4, epochs=1, dtype="float32")
+    row = _row(report, "accumulation")
+    assert not report.failed and row.status == "PASS", report.format()
+    assert any(loss != loss for loss in row.losses), "no step was skipped: the test no longer covers skipped steps"
 
 
 def test_parity_names_unsynced_batchnorm():

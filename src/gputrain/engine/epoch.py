@@ -117,9 +117,9 @@ def run_epoch(loop: Loop, state: TrainState, window: LossWindow, hooks: Hooks, *
             mean_loss, now = window.flush(), time.perf_counter()
             logs = {"lr": optimizer.param_groups[0]["lr"],
                     "train/images_per_s": window.flushed_samples / (now - logged_at) if now > logged_at else 0.0,
-                    **loop.precision.log_values(), **loop.skips.log_values()}
+                    **loop.precision.log_values(window.flushed_skipped_steps)}
             logged_at = now
-            if window.flushed_skipped < window.flushed_samples:  # else the scaler skipped every step: no loss
+            if window.flushed_counted > 0:  # else the scaler skipped every step of the window: no loss to log
                 if not math.isfinite(mean_loss):  # all-reduced, so every rank agrees
                     raise loop.non_finite("the training loss", state)
                 logs = {"train/loss": mean_loss, **logs}

@@ -43,8 +43,8 @@ class LossWindow:
         self._step_samples = 0
         self.flushed_samples = 0.0
         """Samples (over all ranks) this run trained in the window the last :meth:`flush` closed."""
-        self.flushed_skipped = 0.0
-        """Of those, the samples of skipped steps."""
+        self.flushed_counted = 0.0
+        """Samples of the last flushed window's steps that trained (the resumed part included): its loss's weight."""
         carried = carried or {}
         self.epoch_loss_sum = float(carried.get("epoch_loss_sum", 0.0))
         self.epoch_samples = float(carried.get("epoch_samples", 0.0))
@@ -54,6 +54,9 @@ class LossWindow:
         # The all-reduced part of the open window that was trained before the resume, added at its flush.
         self._open = (float(carried.get("window_loss_sum", 0.0)), float(carried.get("window_samples", 0.0)),
                       float(carried.get("window_skipped", 0.0)))
+        self.skipped_steps = int(carried.get("window_skipped_steps", 0))
+        """Steps of the open window the loss scaler skipped (every rank skips the same ones: not reduced)."""
+        self.flushed_skipped_steps = 0
 
     def add(self, loss: torch.Tensor | None, n: int) -> None:
         """Add a micro-batch's mean loss over ``n`` samples; None (no loss on this rank) adds nothing."""
@@ -63,8 +66,10 @@ class LossWindow:
         self._step_samples += n
 
     def step_loss_finite(self) -> bool:
-        """Whether the open step's losses are finite on this rank (a host sync: asked only of skipped steps)."""
-        return bool(torch.isfinite(self._step_sum))
+        """Whether the open step's losses are finite on every rank: a collective, asked only of a step the loss
+        scaler skipped (every rank skips the same steps), and a host sync."""
+        bad = (~torch.isfinite(self._step_sum)).to(torch.float64).reshape(1)
+        return not bool(comm.all_reduce(bad, "max").item())
 
     def end_step(self, *, stepped: bool) -> None:
         """Close an optimizer step: its losses join the window, unless the loss scaler skipped it (no host sync)."""
@@ -72,6 +77,7 @@ class LossWindow:
             self.loss_sum.add_(self._step_sum)
         else:
             self.skipped += self._step_samples
+            self.skipped_steps += 1
         self.samples += self._step_samples
         self._step_sum.zero_()
         self._step_samples = 0
@@ -90,7 +96,8 @@ class LossWindow:
         """
         total, n, skipped = self._reduced()
         self.flushed_samples = n - self._open[1]  # trained by this run: not the window's part before a resume
-        self.flushed_skipped = skipped - self._open[2]
+        self.flushed_counted = n - skipped
+        self.flushed_skipped_steps, self.skipped_steps = self.skipped_steps, 0
         self.epoch_loss_sum += total
         self.epoch_samples += n
         self.epoch_skipped += skipped
@@ -110,7 +117,7 @@ class LossWindow:
         total, n, skipped = self._reduced()
         return {"epoch_loss_sum": self.epoch_loss_sum, "epoch_samples": self.epoch_samples,
                 "epoch_skipped": self.epoch_skipped, "window_loss_sum": total, "window_samples": n,
-                "window_skipped": skipped}
+                "window_skipped": skipped, "window_skipped_steps": float(self.skipped_steps)}
 
 
 class SkippedSteps:
@@ -119,9 +126,10 @@ class SkippedSteps:
     A skipped step is how float16 training normally recovers from an overflow: the scaler keeps the weights and
     halves its scale. A forward that overflowed float16 (the loss itself inf/NaN) is skipped the same way, so it
     does not end the run; the first one is reported in one warning line. Only when the scaler skips
-    :data:`LIMIT` steps in a row does the run end (the caller raises what :meth:`count` returns), saying which overflowed: the forward (the loss) or only the
-    gradients. Every rank skips the same steps (the scaler's verdict covers all ranks' gradients), so every rank
-    raises at the same step.
+    :data:`LIMIT` steps in a row does the run end (the caller raises what :meth:`count` returns), saying which
+    overflowed: the forward (the loss) or only the gradients. Every rank skips the same steps (the scaler's verdict
+    covers all ranks' gradients) and reads the same overflow flag, so every rank raises at the same step with the
+    same line. The count starts again after a resume.
     """
 
     LIMIT = 25
@@ -131,8 +139,6 @@ class SkippedSteps:
         self.is_main, self.precision = is_main, precision
         self.in_a_row = 0
         self.loss_overflows_in_a_row = 0
-        self.window_steps = 0
-        self.total = 0
         self.warned = False
 
     def count(self, stepped: bool, window: LossWindow, state: TrainState) -> tuple[str, str] | None:
@@ -141,15 +147,15 @@ class SkippedSteps:
             self.in_a_row = self.loss_overflows_in_a_row = 0
             return None
         self.in_a_row += 1
-        self.window_steps += 1
-        self.total += 1
         loss_overflowed = not window.step_loss_finite()
         self.loss_overflows_in_a_row += loss_overflowed
-        if loss_overflowed and not self.warned and self.is_main:
+        if loss_overflowed and not self.warned:
             self.warned = True
-            print(f"gputrain: warning: the loss overflowed float16 at epoch {state.epoch + 1} step {state.global_step} "
-                  "(trainer.precision=16-mixed); the loss scaler skipped that step, which is left out of the logged "
-                  "loss (train/skipped_steps counts such steps)", file=sys.stderr, flush=True)
+            if self.is_main:
+                print(f"gputrain: warning: the loss overflowed float16 at epoch {state.epoch + 1} step "
+                      f"{state.global_step} (trainer.precision=16-mixed); the loss scaler skipped that step, which is "
+                      "left out of the logged loss (train/skipped_steps counts the skipped steps)", file=sys.stderr,
+                      flush=True)
         if self.in_a_row < self.LIMIT:
             return None
         scale = self.precision.log_values().get("train/loss_scale", float("nan"))
@@ -160,8 +166,3 @@ class SkippedSteps:
                  "or set trainer.grad_clip_norm, and compare with trainer.precision=32")
         return (f"the gradients of {self.in_a_row} steps in a row (trainer.precision=16-mixed)",
                 f"the loss scaler skipped each and lowered its scale to {scale:.3g}; {cause}")
-
-    def log_values(self) -> dict[str, float]:
-        """``train/skipped_steps`` of the window a logging step closes (from the run's first skipped step on)."""
-        steps, self.window_steps = self.window_steps, 0
-        return {"train/skipped_steps": float(steps)} if self.total else {}

@@ -181,7 +181,9 @@ def compare_mode(mode: ModeResult, ref: ModeResult, *, processes: int, batch: st
         row.cause = f"did not finish: {mode.error}" + (f". Cause: {unused}" if unused else "")
         return row
     row.losses = mode.losses
-    row.loss_diffs = [abs(a - b) for a, b in zip(mode.losses, ref.losses, strict=False)]
+    # A step that logs no loss in both modes (16-mixed: the loss scaler skipped it in both) is the same step.
+    row.loss_diffs = [0.0 if math.isnan(a) and math.isnan(b) else abs(a - b)
+                      for a, b in zip(mode.losses, ref.losses, strict=False)]
     row.loss_diff = max(row.loss_diffs, default=None) if mode.losses and ref.losses else None
     common = sorted(set(mode.state) & set(ref.state))
     row.key_mismatch = sorted(set(mode.state) ^ set(ref.state))
@@ -191,14 +193,14 @@ def compare_mode(mode: ModeResult, ref: ModeResult, *, processes: int, batch: st
              and mode.state[k].is_floating_point()}
     row.weight_diff = max(diffs.values(), default=0.0)
     row.worst_key = max(diffs, key=diffs.__getitem__) if diffs else ""
-    row.first_loss_step = next((k + 1 for k, (a, b) in enumerate(zip(mode.losses, ref.losses, strict=False))
-                                if not abs(a - b) <= tol), 0)
+    row.first_loss_step = next((k + 1 for k, diff in enumerate(row.loss_diffs) if not diff <= tol), 0)
     has_bn = any(mode.bn[0]) if mode.bn else False
     spread, where = _bn_spread(mode.bn) if len(mode.bn) > 1 else (0.0, "")
     if has_bn and len(mode.bn) > 1:
         row.bn_ranks = "agree" if spread <= tol else f"differ {spread:.1e}"
     row.samples, sample_cause = _sample_cause(mode, ref, epochs)
-    bad_numbers = any(math.isnan(x) for x in mode.losses) or (row.loss_diff or 0.0) > tol or row.weight_diff > tol
+    bad_numbers = (any(math.isnan(x) for x in row.loss_diffs) or (row.loss_diff or 0.0) > tol
+                   or not row.weight_diff <= tol)
     if not (bad_numbers or row.key_mismatch or sample_cause):
         return row
     unused = _unused_cause(mode, ref)
