@@ -211,3 +211,20 @@ def test_a_buffer_the_forward_replaces_is_restored_after_a_skipped_step(tmp_path
     for i in skipped:
         assert torch.equal(record.states[i]["seen"], record.states[i + 1]["seen"]), i
     assert torch.isfinite(record.states[-1]["seen"]).all()
+
+
+def test_a_window_resumed_mid_way_logs_its_loss_even_if_every_step_after_the_resume_was_skipped():
+    """The loss window carried by a checkpoint: the steps trained before the resume still give the window its loss,
+    as the uninterrupted run logs it. Planted fault: the window's loss decided on this process's steps alone."""
+    from gputrain.engine.state import LossWindow
+
+    uninterrupted = LossWindow(torch.device("cpu"))
+    uninterrupted.add(torch.tensor(2.0), 4)
+    uninterrupted.end_step(stepped=True)
+    carried = uninterrupted.carry()
+    for window in (uninterrupted, resumed := LossWindow(torch.device("cpu"), carried)):
+        window.add(torch.tensor(float("inf")), 4)
+        window.end_step(stepped=False)
+    assert uninterrupted.flush() == resumed.flush() == 2.0
+    assert uninterrupted.flushed_counted == resumed.flushed_counted == 4
+    assert uninterrupted.flushed_skipped_steps == resumed.flushed_skipped_steps == 1
