@@ -23,6 +23,7 @@ import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 
 from gputrain.config import load_config
+from gputrain.engine.callbacks.memory import memory_parts
 from gputrain.strategies.base import tensors_of
 from gputrain.tools.make_data import make_dataset
 from gputrain.tools.plan import memory
@@ -39,7 +40,7 @@ def before(work: Workload, batch: int) -> memory.StepMemory:
         tracker.track_external(model, optimizer, *tensors_of((inputs, targets)))
         with tracker:
             work.train_step(model, optimizer, inputs, targets)
-        return memory.parts_of(tracker.get_tracker_snapshot("peak"))
+        return memory.StepMemory(**memory_parts(tracker.get_tracker_snapshot("peak")))
 
 
 def now(work: Workload, batch: int) -> memory.StepMemory:

@@ -919,6 +919,10 @@ FAULTS: tuple[Fault, ...] = (
     Fault("[30] the first pipeline stage's input (the batch) given a gradient in the plan", "src/gputrain/tools/plan/memory.py",
           (("t.is_floating_point() and stage > 0)", "t.is_floating_point())"),),
           ("tests/e2e/test_plan_measured.py::test_a_small_models_pipeline_stages_count_the_batch_and_the_buffers_around_them",)),
+    Fault("[30] the largest batch from the line through two peaks (the peak moves with the batch)",
+          "src/gputrain/tools/plan/memory.py",
+          (("    if low.moments and high.moments:\n", "    if False:\n"),),
+          ("tests/e2e/test_plan.py::test_the_largest_batch_predicted_from_two_counts_is_what_a_count_at_it_gives",)),
     # -- issue 31: a step the float16 loss scaler skips is not a diverged run ------------------------------------
     Fault("[31] a skipped step leaves the forward's BatchNorm statistics (NaN after an overflow)", "src/gputrain/precision.py",
           (("        if not stepped:\n            self._before_step.restore()", "        if False:\n            pass"),),

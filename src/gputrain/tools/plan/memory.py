@@ -32,6 +32,8 @@ from gputrain.engine.callbacks.memory import memory_parts, peak_only
 from gputrain.strategies.base import tensors_of
 from gputrain.tools.plan.workload import Workload
 
+PARTS = ("parameters", "gradients", "optimizer", "activations", "other")
+
 
 @dataclass(frozen=True)
 class StepMemory:
@@ -45,21 +47,48 @@ class StepMemory:
     """Saved for backward, and the backward's temporaries."""
     other: int
     """The batch, anything else."""
+    moments: tuple[tuple[int, int], ...] = dataclasses.field(default=(), compare=False, repr=False)
+    """Every moment of the step: (bytes that do not grow with the batch, the most the rest reached then), as
+    :func:`~gputrain.engine.callbacks.memory.peak_only` records them; empty where nothing recorded them."""
 
     @property
     def peak(self) -> int:
         return self.parameters + self.gradients + self.optimizer + self.activations + self.other
 
     def as_dict(self) -> dict[str, int]:
-        return dataclasses.asdict(self)
+        return {name: getattr(self, name) for name in PARTS}
 
     def plus(self, **extra: int) -> StepMemory:
-        return dataclasses.replace(self, **{k: getattr(self, k) + v for k, v in extra.items()})
+        """More bytes that do not grow with the batch (the CUDA allocator's, the rest of a pipeline rank's model)."""
+        added = sum(extra.values())
+        return dataclasses.replace(self, **{k: getattr(self, k) + v for k, v in extra.items()},
+                                   moments=tuple((held + added, rest) for held, rest in self.moments))
 
 
-def parts_of(snapshot: dict[Any, dict[Any, int]]) -> StepMemory:
-    """A ``MemTracker`` snapshot (per device, per kind) as :class:`StepMemory` (the parts a run's measure names)."""
-    return StepMemory(**memory_parts(snapshot))
+def counted(tracker: Any) -> StepMemory:
+    """What a finished ``peak_only`` tracker counted: the peak by part, and its moments."""
+    return StepMemory(**memory_parts(tracker.get_tracker_snapshot("peak")),
+                      moments=tuple(sorted(getattr(tracker, "moments", {}).items())))
+
+
+def largest_batch(low: StepMemory, high: StepMemory, at: int, room: float) -> int:
+    """The largest batch whose step fits ``room`` bytes, from its counts at ``at`` (``low``) and ``2 at`` (``high``).
+
+    Every moment's bytes are affine in the batch (activations and the batch grow with it, the fixed parts do not):
+    the line through a moment's two counts, and the batch whose every moment stays within ``room``. Counts without
+    moments (a real step's of a model that cannot run on fake tensors) fall back to the line through the peaks.
+    """
+    lines = [(low.peak, high.peak - low.peak)]
+    if low.moments and high.moments:
+        at_high = dict(high.moments)
+        lines = [(held + rest, at_high[held] - rest) for held, rest in low.moments if held in at_high]
+    largest = float("inf")
+    for value, growth in lines:  # bytes at `at` samples, and how many more at `2 at`
+        if growth > 0:
+            largest = min(largest, at + (room - value) * at / growth)
+        elif value > room:  # what does not grow with the batch does not fit by itself
+            return 0
+    return max(int(largest), 0) if largest != float("inf") else 2**31 - 1
 
 
 class UnprofilableModel(ValueError):
@@ -185,7 +214,7 @@ def _counted_step(work: Workload, model: nn.Module, inputs: Any, targets: Any, h
     tracker.track_external(model, optimizer, *tensors_of((inputs, targets)))
     with tracker:
         work.train_step(model, optimizer, inputs, targets)
-    return parts_of(tracker.get_tracker_snapshot("peak"))
+    return counted(tracker)
 
 
 def make_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, *, keep_gradients: bool = False) -> None:
@@ -245,7 +274,7 @@ def _fsdp_memory(work: Workload, batch_size: int, world_size: int, units: Sequen
                 tracker.track_inputs((inputs, targets))
                 with tracker:
                     work.train_step(model, optimizer, inputs, targets)
-                return parts_of(tracker.get_tracker_snapshot("peak"))
+                return counted(tracker)
         finally:
             dist.destroy_process_group()
             sys.excepthook = hook
@@ -329,6 +358,6 @@ def _stage_memory(work: Workload, split: Sequence[int], stage: int, batch_size: 
             tracker.track_external(mine, optimizer, *buffers)
             with tracker:
                 one_step(tracker)
-            return parts_of(tracker.get_tracker_snapshot("peak"))
+            return counted(tracker)
 
     return _guarded(f"stage {stage + 1} of {type(work.model).__name__}", run)

@@ -9,7 +9,7 @@ plan's samples per device, stage shares from the block profile, plus the collect
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,13 +86,11 @@ class Plan:
                 "max_global_batch": self.max_global_batch, "overrides": self.overrides()}
 
 
-def _largest(low: int, memory_at: Callable[[int], int], unit: int, at: int, budget: int) -> int:
-    """The largest batch (a multiple of ``unit``) whose peak, affine in the batch, fits ``budget`` with the margin;
-    the line through the peaks at ``at`` samples (``low``) and ``2 at``."""
-    high = memory_at(2 * at)
-    per_sample = max(high - low, 1) / at
-    room = budget * (1 - MARGIN) - (low - per_sample * at)
-    return max(int(room / per_sample) // unit * unit, 0)
+def _largest(at: int, low: Sequence[StepMemory], high: Sequence[StepMemory], budget: int) -> int:
+    """The largest batch (per process, as ``at``) whose every device fits ``budget`` with the margin, from each
+    device's counts at ``at`` (``low``) and ``2 at`` (``high``): :func:`~gputrain.tools.plan.memory.largest_batch`."""
+    room = budget * (1 - MARGIN)
+    return min(memory.largest_batch(a, b, at, room) for a, b in zip(low, high, strict=True))
 
 
 @dataclass
@@ -128,8 +126,7 @@ class Planner:
     def single(self) -> Plan:
         g = self.global_batch
         mem = self._with_overhead(memory.step_memory(self.work, g))
-        largest = _largest(mem.peak, lambda b: memory.step_memory(self.work, b).peak + self.cuda_overhead, 1, g,
-                           self.budget)
+        largest = _largest(g, [mem], [self._with_overhead(memory.step_memory(self.work, 2 * g))], self.budget)
         return Plan("single", 1, g, g, (mem,), self._compute_s(g), self.budget, max_global_batch=largest)
 
     def ddp(self) -> Plan:
@@ -140,8 +137,8 @@ class Planner:
         compute = self._compute_s(b)
         comm = allreduce_s(buckets, n, self.device_type)
         exposed = max(allreduce_s(min(buckets, DDP_BUCKET_BYTES), n, self.device_type), comm - compute * 2 / 3)
-        largest = n * _largest(mem.peak, lambda k: memory.step_memory(self.work, k, held_gradients=True).peak
-                               + self.cuda_overhead, 1, b, self.budget)
+        twice = self._with_overhead(memory.step_memory(self.work, 2 * b, held_gradients=True))
+        largest = n * _largest(b, [mem], [twice], self.budget)
         return Plan("ddp", n, self.global_batch, b, (mem,) * n, compute + exposed, self.budget,
                     max_global_batch=largest)
 
@@ -157,7 +154,7 @@ class Planner:
         # moves (N - 1) / N of the model, 1.5 all-reduces' worth; units overlap with compute except the first.
         comm = 1.5 * allreduce_s(self._grad_bytes(), n, self.device_type)
         exposed = max(comm / (len(self.fsdp_units) + 1), comm - compute)
-        largest = n * _largest(mem.peak, lambda k: at(k).peak + self.cuda_overhead, 1, b, self.budget)
+        largest = n * _largest(b, [mem], [self._with_overhead(at(2 * b))], self.budget)
         return Plan("fsdp", n, self.global_batch, b, (mem,) * n, compute + exposed, self.budget,
                     max_global_batch=largest)
 
@@ -188,9 +185,8 @@ class Planner:
             step = sum(stage_s) + (m - 1) * max(stage_s)  # fill and drain, then the slowest stage's pace
             boundary = sum(self.shares.output_bytes_per_sample[i - 1] for i in split) * micro
             step += 2 * m * send_s(boundary, self.device_type)  # activations forward, their gradients back
-        largest = _largest(max(s.peak for s in per_stage),
-                           lambda b: max(s.peak for s in self._stage_memory(strategy, schedule, split, b))
-                           + self.cuda_overhead, 1, g, self.budget)
+        twice = [self._with_overhead(s) for s in self._stage_memory(strategy, schedule, split, 2 * g)]
+        largest = _largest(g, per_stage, twice, self.budget)
         return Plan(strategy, k, g, g, tuple(per_stage), step, self.budget, micro_batches=m, schedule=schedule,
                     split_points=tuple(self.shares.names[i] for i in split), max_global_batch=largest)
 
