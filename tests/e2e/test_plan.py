@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -175,6 +176,33 @@ def test_auto_chooses_a_plan_under_a_budget_that_single_exceeds_and_trains_it(pl
     assert saved["strategy"] not in ("auto", "single") and saved["strategy"] in line
     assert saved["batch_size"] == (8 if saved["strategy"] in ("ddp", "fsdp") else 16)  # the same global batch, 16
     assert (out / "summary.json").exists()
+
+
+def test_auto_chooses_what_the_whole_plan_chooses_with_less_counting(tmp_path):
+    """--strategy auto counts only what its choice needs (no largest batches; activation checkpointing only where
+    the plain plan does not fit but would be fast enough). At a budget every plan fits and at one only checkpointed
+    plans fit, it chooses what the whole report chooses there. Planted fault: no checkpointed plan counted for the
+    choice (the second budget then has none)."""
+    from gputrain.tools.plan.command import make_report
+    from gputrain.tools.plan.plans import choose
+
+    root = make_cifar10(tmp_path / "cifar", train_per_class=2, test_per_class=1)
+    # The split fixed: the partitioner's own choice follows measured block times, which differ from one report to
+    # the next on a loaded machine (and with them the pipelines' memory).
+    cfg = load_config("cifar10-resnet18", [f"data.root={root}", "data.image_size=32", "trainer.batch_size=8",
+                                           "trainer.strategy=ddp", "trainer.accelerator=cpu",
+                                           "parallel.split_points=[layer3]"])
+    whole = make_report(cfg, devices=2, budget_text="100GiB")
+    least_plain = min(p.peak for p in whole.plans if not p.activation_checkpointing)
+    least_ac = min(p.peak for p in whole.plans if p.activation_checkpointing)
+    assert least_ac < least_plain * 0.95
+    for budget, counted in ((100 * 2**30, 6), (int((least_ac / 0.9 + least_plain / 0.9) / 2), 12)):
+        full = choose([dataclasses.replace(p, budget=budget) for p in whole.plans])  # the whole report's choice
+        quick = make_report(cfg, devices=2, budget_text=str(budget), choice_only=True)
+        assert full is not None and quick.chosen is not None, budget
+        assert (quick.chosen.label, quick.chosen.per_device) == (full.label, full.per_device), budget
+        assert len(quick.plans) == counted and all(p.max_global_batch == -1 for p in quick.plans)
+    assert quick.chosen.activation_checkpointing  # the second budget: only checkpointed plans fit
 
 
 def saved_strategy(out: Path) -> str:

@@ -42,7 +42,7 @@ def predict(cfg: RunConfig, options: dict[str, Any], world_size: int, batch_size
         cfg.trainer, strategy=strategy, accelerator=options.get("accelerator", cfg.trainer.accelerator),
         batch_size=batch_size or cfg.trainer.batch_size))
     try:
-        report = make_report(dry, devices=world_size, only=label)
+        report = make_report(dry, devices=world_size, only=label, choice_only=True)
     except Exception as err:  # noqa: BLE001  a plan that cannot be made must not end the doctor's report
         return f"no {label} plan could be predicted: {str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__}"
     found = [p for p in report.plans if p.label == label]

@@ -69,9 +69,15 @@ def _check_devices(device: torch.device, devices: int) -> None:
                          f"--devices {torch.cuda.device_count()} or fewer, or plan on the machine the run trains on")
 
 
-def make_report(cfg: RunConfig, *, devices: int, nnodes: int = 1, budget_text: str = "", only: str = "") -> Report:
+def make_report(cfg: RunConfig, *, devices: int, nnodes: int = 1, budget_text: str = "", only: str = "",
+                choice_only: bool = False) -> Report:
     """Predict every plan for ``devices`` per node of ``nnodes`` nodes and choose one (``only``: that plan's label
-    alone, e.g. ``ddp`` or ``pipeline-1f1b``, as doctor compares one)."""
+    alone, e.g. ``ddp`` or ``pipeline-1f1b``, as doctor compares one).
+
+    ``choice_only``: what choosing needs, about a third of the counting (``--strategy auto``, doctor's one plan):
+    no largest batches (a second count of every plan at twice its batch), and activation checkpointing only for a
+    strategy whose plain plan does not fit yet is at least as fast as the fastest that does (checkpointing makes a
+    plan slower, never faster). When nothing fits, the whole report: its line names the largest batch."""
     from gputrain.config.resolve import resolve_precision
     from gputrain.strategies.fsdp import shard_units
 
@@ -111,7 +117,7 @@ def make_report(cfg: RunConfig, *, devices: int, nnodes: int = 1, budget_text: s
     elif nnodes > 1:
         notes.append("pipeline and model_parallel plans are for one node; --nnodes > 1 plans ddp and fsdp")
     planner = Planner(work, world, g, budget, probe, shares, m, fsdp_units=shard_units(work.model),
-                      cuda_overhead=overhead)
+                      cuda_overhead=overhead, largest=not choice_only)
     labels = ["single"]
     if world > 1:
         if g % world:
@@ -121,14 +127,20 @@ def make_report(cfg: RunConfig, *, devices: int, nnodes: int = 1, budget_text: s
         if split is not None:
             labels += SPLIT_PLANS
     plans = [_attempt(lambda x=x: _predict(planner, x, split), notes) for x in labels if not only or only == x]
-    plans += _checkpointed_plans(planner, [x for x in labels if not only or only == f"{x}+ac"], probe_batch,
-                                 notes, split)
+    checkpointed = [x for x in labels if not only or only == f"{x}+ac"]
+    if choice_only:
+        fastest = choose([p for p in plans if p is not None])
+        checkpointed = [p.label for p in plans if p is not None and p.label in checkpointed and not p.fits_with_margin
+                        and (fastest is None or p.step_s <= fastest.step_s)]
+    plans += _checkpointed_plans(planner, checkpointed, probe_batch, notes, split)
     found = [p for p in plans if p is not None]
     notes += sorted(work.notes)
     if not found:
         raise ValueError(f"no plan could be predicted for {cfg.model.name or 'the model'}: {'; '.join(notes)}")
-    return Report(found, choose(found), budget, source, str(device), precision, g, notes,
-                  time.perf_counter() - started)
+    chosen = choose(found)
+    if choice_only and chosen is None:
+        return make_report(cfg, devices=devices, nnodes=nnodes, budget_text=budget_text, only=only)
+    return Report(found, chosen, budget, source, str(device), precision, g, notes, time.perf_counter() - started)
 
 
 SPLIT_PLANS = ["pipeline-gpipe", "pipeline-1f1b", "model_parallel"]
@@ -229,7 +241,7 @@ def cmd_plan(cfg: RunConfig, *, recipe: str, devices: int, nnodes: int, budget_t
 
 def auto_overrides(cfg: RunConfig, *, devices: int, nnodes: int, budget_text: str) -> tuple[list[str], str]:
     """``--strategy auto``: the chosen plan as config overrides, and its one line; one line when none fits."""
-    report = make_report(cfg, devices=devices, nnodes=nnodes, budget_text=budget_text)
+    report = make_report(cfg, devices=devices, nnodes=nnodes, budget_text=budget_text, choice_only=True)
     if report.chosen is None:
         print(no_plan_line(report), file=sys.stderr, flush=True)
         raise SystemExit(2)
