@@ -8,7 +8,8 @@ For each recipe, at two input sizes and two batch sizes, on generated data, on t
 - time: the plan's prediction (real steps at a small batch and at twice it, taken as affine in the batch) against
   the median of ``--reps`` real steps at the batch. Both sides are timed in the same run, one after the other.
 
-Also the time ``gputrain plan RECIPE --devices 2`` takes (all six plans) at the first setting of each recipe.
+Also the time ``gputrain plan RECIPE --devices 2`` takes (every plan) at the first setting of each recipe, and
+the time ``--strategy auto`` takes to choose there (``make_report(..., choice_only=True)``).
 Multi-rank plans (ddp, fsdp, pipeline) are not compared here yet. Mask R-CNN cannot run on fake tensors: its
 "prediction" is itself a real step, so it is listed but not scored.
 
@@ -71,7 +72,7 @@ def main() -> None:
     parser.add_argument("--plan-times-only", action="store_true", help="only the time `plan --devices 2` takes")
     args = parser.parse_args()
     torch.set_num_threads(max(torch.get_num_threads(), 1))
-    rows, plan_times = [], {}
+    rows, plan_times, auto_times = [], {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         for recipe in args.recipes.split(","):
             kind, sizes, extra = SETTINGS[recipe]
@@ -89,9 +90,14 @@ def main() -> None:
             start = time.perf_counter()
             make_report(cfg, devices=2)
             plan_times[recipe] = time.perf_counter() - start
-            print(f"{recipe:24s} gputrain plan --devices 2: {plan_times[recipe]:.1f} s", flush=True)
+            start = time.perf_counter()  # what --strategy auto counts to choose (the budget: this machine's)
+            make_report(cfg, devices=2, choice_only=True)
+            auto_times[recipe] = time.perf_counter() - start
+            print(f"{recipe:24s} gputrain plan --devices 2: {plan_times[recipe]:.1f} s; --strategy auto's choice: "
+                  f"{auto_times[recipe]:.1f} s", flush=True)
     result = {"date": datetime.date.today().isoformat(), "machine": platform.machine(), "torch": torch.__version__,
-              "threads": torch.get_num_threads(), "rows": rows, "plan_s": plan_times}
+              "threads": torch.get_num_threads(), "rows": rows, "plan_s": plan_times,
+              "auto_choice_s": auto_times}
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
 
