@@ -21,7 +21,7 @@ demo: $(STAMP)
 
 ## test: the whole suite, as CI runs it
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n 2 --dist load --durations=20
+	$(BIN)/python -m pytest -q -n 2 --dist worksteal --durations=20
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks scripts

@@ -983,6 +983,16 @@ FAULTS: tuple[Fault, ...] = (
     Fault("[31] skipped steps counted in all, not in a row", "src/gputrain/engine/state.py",
           (("            self.in_a_row = self.loss_overflows_in_a_row = 0", "            self.loss_overflows_in_a_row = 0"),),
           (f"{F16}::test_only_25_skipped_steps_in_a_row_end_a_run_not_25_in_all",)),
+    Fault("fit returns with its loaders' workers alive (gc stalls the caller 5 s a worker later)",
+          "src/gputrain/engine/trainer.py",
+          (("                setup.end_workers(self.loop.train_loader, self.loop.val_loader)", "                pass"),),
+          ("tests/unit/test_data_workers.py::test_fit_evaluate_and_validate_end_their_loaders_workers_before_returning",)),
+    Fault("evaluate() after fit returns with its workers alive", "src/gputrain/engine/trainer.py",
+          (("            setup.end_workers(loop.val_loader)  # fit keeps", "            pass  # fit keeps"),),
+          ("tests/unit/test_data_workers.py::test_fit_evaluate_and_validate_end_their_loaders_workers_before_returning",)),
+    Fault("validate() returns with its workers alive", "src/gputrain/engine/trainer.py",
+          (("        finally:\n            setup.end_workers(loop.val_loader)\n", "        finally:\n            pass\n"),),
+          ("tests/unit/test_data_workers.py::test_fit_evaluate_and_validate_end_their_loaders_workers_before_returning",)),
 )
 
 

@@ -68,3 +68,49 @@ def test_a_trainer_divides_the_cores_by_the_processes_on_its_node(tmp_path, monk
     x = torch.randn(8, 4)
     t.fit(nn.Linear(4, 1), TensorDataset(x, x.sum(1, keepdim=True)), loss=F.mse_loss)
     assert t.cfg.data.num_workers == 2 and t.loop.train_loader.num_workers == 2
+
+
+def test_fit_evaluate_and_validate_end_their_loaders_workers_before_returning(tmp_path):
+    """Persistent workers left to the garbage collector stalled the caller 5 s per worker, at some later moment
+    (the loaders sit in a reference cycle, and gc ran their queues' finalizers first, so no worker heard its stop
+    message): in this suite, 15 s landed in whatever test came next. Planted faults: fit, evaluate or validate
+    returns with its workers alive."""
+    import gc
+    import multiprocessing
+
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+    from torch.utils.data import TensorDataset
+
+    from gputrain import Trainer
+    from gputrain.config import DataConfig, RunConfig
+    from gputrain.engine.hooks import Hook
+    from gputrain.tasks.base import Task
+
+    gc.collect()
+    before = {p.pid for p in multiprocessing.active_children()}
+
+    def workers() -> set[int]:
+        return {p.pid for p in multiprocessing.active_children()} - before
+
+    class Count(Hook):
+        most = 0
+
+        def after_epoch(self, ctx, metrics):
+            Count.most = max(Count.most, len(workers()))
+
+    x = torch.randn(16, 4)
+    data = TensorDataset(x, x.sum(1, keepdim=True))
+    t = Trainer(RunConfig(data=DataConfig(num_workers=2)), strategy="single", accelerator="cpu", progress_bar=False,
+                loggers=[], batch_size=4, epochs=2, out=str(tmp_path / "fit"), enable_checkpointing=False,
+                hooks=[Count()])
+    t.fit(nn.Linear(4, 1), data, data, loss=F.mse_loss)
+    assert Count.most == 4  # two persistent workers for each loader, alive from one epoch to the next
+    assert workers() == set()
+    assert t.evaluate()["loss"] >= 0  # the validation loader still works after fit: it starts workers again
+    assert workers() == set()
+    v = Trainer(RunConfig(data=DataConfig(num_workers=2)), strategy="single", accelerator="cpu", progress_bar=False,
+                loggers=[], batch_size=4, out=str(tmp_path / "eval"))
+    assert v.validate(nn.Linear(4, 1), data, task=Task(F.mse_loss))["val/samples"] == 16
+    assert workers() == set()

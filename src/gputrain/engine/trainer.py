@@ -161,8 +161,10 @@ class Trainer:
             self.discard_untrained_run()
             raise
         finally:
-            if self.loop is not None and self.loop.checkpointer is not None:
-                self.loop.checkpointer.close()
+            if self.loop is not None:
+                setup.end_workers(self.loop.train_loader, self.loop.val_loader)
+                if self.loop.checkpointer is not None:
+                    self.loop.checkpointer.close()
 
     def _build(self, model: nn.Module, task: Task, train_data: Dataset, val_data: Dataset | None) -> setup.Loop:
         out = self.prepare(for_training=True)
@@ -206,7 +208,7 @@ class Trainer:
             self.state.step_in_epoch = 0
             if loop.val_loader is not None and self.state.epoch % max(t.eval_every_n_epochs, 1) == 0:
                 eval_start = time.perf_counter()
-                metrics |= {f"val/{k}": v for k, v in self.evaluate().items()}
+                metrics |= {f"val/{k}": v for k, v in self._evaluate(loop).items()}
                 metrics["time/val_s"] = time.perf_counter() - eval_start
                 val_count = len(loop.val_loader.dataset)  # type: ignore[arg-type]  # every sample once (exact eval)
                 metrics["time/val_images_per_s"] = val_count / max(metrics["time/val_s"], 1e-9)
@@ -261,6 +263,12 @@ class Trainer:
         """Exact evaluation over the validation set: every sample once, metrics from reduced statistics."""
         loop = self.loop
         assert loop is not None and loop.val_loader is not None, "no validation data was given"
+        try:
+            return self._evaluate(loop)
+        finally:
+            setup.end_workers(loop.val_loader)  # fit keeps them between epochs; a call of the user's does not
+
+    def _evaluate(self, loop: setup.Loop) -> dict[str, float]:
         loop.strategy.prepare_eval(loop.module)
         metrics = evaluate_batches(loop, self.out, self.state.epoch,
                                    lambda done, total: self._call("after_eval_batch", done, total))
@@ -279,7 +287,10 @@ class Trainer:
         self.hooks = [ProgressHook(bar=False), *self.extra_hooks]
         self.config_dict = to_dict(loop.cfg)
         self.ctx = self._context(loop)
-        return evaluate_only(loop, out, lambda done, total: self._call("after_eval_batch", done, total))
+        try:
+            return evaluate_only(loop, out, lambda done, total: self._call("after_eval_batch", done, total))
+        finally:
+            setup.end_workers(loop.val_loader)
 
     def model_state_dict(self) -> dict[str, Any]:
         """The trained model's full weights with plain keys (rank 0; ``{}`` elsewhere where sharded); a collective."""

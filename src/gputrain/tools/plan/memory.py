@@ -120,11 +120,11 @@ class _ReducedLossStorage(TorchDispatchMode):
 
 
 @contextmanager
-def _fake(work: Workload, model: nn.Module) -> Iterator[tuple[nn.Module, Callable[[Any], Any]]]:
-    """A fake copy of ``model`` on the run's device, and a function that fakes a batch."""
+def _fake(work: Workload) -> Iterator[tuple[nn.Module, Callable[[Any], Any]]]:
+    """A fake copy of the run's model on the run's device, and a function that fakes a batch."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    meta = copy.deepcopy(model).to("meta")
+    meta = copy.deepcopy(work.meta_model())
     with FakeTensorMode(allow_non_fake_inputs=True) as mode, _ReducedLossStorage():
         meta.to_empty(device=work.device)
         meta.train()
@@ -240,7 +240,7 @@ def measured_step_memory(work: Workload, batch_size: int, held_gradients: bool =
 
 
 def _fake_step_memory(work: Workload, batch_size: int, held_gradients: bool) -> StepMemory:
-    with _fake(work, work.model) as (model, fake):
+    with _fake(work) as (model, fake):
         inputs, targets = fake(work.batch(batch_size))
         return _counted_step(work, model, inputs, targets, held_gradients)
 
@@ -264,7 +264,7 @@ def _fsdp_memory(work: Workload, batch_size: int, world_size: int, units: Sequen
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
         try:
             mesh = init_device_mesh(work.device.type, (world_size,))  # outside fake mode: a mesh holds real groups
-            with _fake(work, work.model) as (model, fake):
+            with _fake(work) as (model, fake):
                 for name in [*units, ""]:
                     fully_shard(model.get_submodule(name) if name else model, mesh=mesh)
                 inputs, targets = fake(work.batch(batch_size))
@@ -306,7 +306,7 @@ def _stage_memory(work: Workload, split: Sequence[int], stage: int, batch_size: 
     def run() -> StepMemory:
         from torch.distributed._tools.mem_tracker import MemTracker
 
-        with _fake(work, work.model) as (model, fake):
+        with _fake(work) as (model, fake):
             blocks = sequential_blocks(model, children_in_order=bool(work.split_points))
             stages = split_stages(blocks, split)
             inputs, targets = fake(work.batch(batch_size))

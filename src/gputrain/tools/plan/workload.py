@@ -39,6 +39,13 @@ class Workload:
     """False once a fake step failed: the model's memory is then measured by real steps."""
     counted: dict[tuple[Any, ...], Any] = field(default_factory=dict, repr=False)
     """Memory already counted for this model, by what was counted: plans that share a step share its count."""
+    _meta_model: nn.Module | None = field(default=None, repr=False)
+
+    def meta_model(self) -> nn.Module:
+        """The model on the meta device, made once: each pass on fake tensors copies it (no weights to copy)."""
+        if self._meta_model is None:
+            self._meta_model = copy.deepcopy(self.model).to("meta")
+        return self._meta_model
 
     @classmethod
     def from_config(cls, cfg: RunConfig, device: torch.device, precision: str, count: int = 8) -> Workload:
@@ -64,7 +71,7 @@ class Workload:
 
         model = copy.deepcopy(self.model)
         checkpoint_blocks(model, children_in_order=bool(self.split_points))
-        return dataclasses.replace(self, model=model, notes=self.notes, counted={})
+        return dataclasses.replace(self, model=model, notes=self.notes, counted={}, _meta_model=None)
 
     def batch(self, size: int) -> tuple[Any, Any]:
         """``(inputs, targets)`` of ``size`` samples, on the CPU."""
