@@ -1,7 +1,7 @@
 """Plant each known fault in a copy of the repository and check that a fast test catches it.
 
-``make mutants`` runs this. For every fault in :data:`FAULTS` it copies ``src/``, ``tests/``, ``scripts/``
-and ``pyproject.toml`` to a temporary folder, applies the fault (exact text replacements in one file),
+``make mutants`` runs this. For every fault in :data:`FAULTS` it copies ``src/``, ``tests/``, ``scripts/``,
+``pyproject.toml``, ``docs/`` and ``README.md`` to a temporary folder, applies the fault (exact text replacements in one file),
 runs the few fast tests chosen to catch it with ``PYTHONPATH`` pointing at the copy, and prints a
 table: fault, the first test that failed, seconds. It exits 1 when a fault survives (every chosen
 test passed), when a run times out, when the chosen tests fail without any fault (the baseline), or
@@ -993,6 +993,10 @@ FAULTS: tuple[Fault, ...] = (
     Fault("validate() returns with its workers alive", "src/gputrain/engine/trainer.py",
           (("        finally:\n            setup.end_workers(loop.val_loader)\n", "        finally:\n            pass\n"),),
           ("tests/unit/test_data_workers.py::test_fit_evaluate_and_validate_end_their_loaders_workers_before_returning",)),
+    Fault("a plan command shown on two pages runs on neither", "tests/e2e/test_documented_commands.py",
+          (("    return first.where if first.where.split(\":\")[0] != command.where.split(\":\")[0] else \"\"",
+            "    return first.where"),),
+          ("tests/e2e/test_documented_commands.py::test_the_pages_show_commands_and_the_skips_are_few",)),
 )
 
 
@@ -1014,12 +1018,15 @@ def check_patterns(faults: tuple[Fault, ...]) -> list[str]:
 
 
 def make_copy(parent: Path) -> Path:
-    """``src/``, ``tests/``, ``scripts/`` (the GPU checklist's verdicts) and ``pyproject.toml`` (pytest's options)."""
+    """``src/``, ``tests/``, ``scripts/`` (the GPU checklist's verdicts), ``pyproject.toml`` (pytest's options) and
+    the pages the documented-commands test reads."""
     ignore = shutil.ignore_patterns("__pycache__", "*.egg-info", ".pytest_cache")
     shutil.copytree(ROOT / "src", parent / "src", ignore=ignore)
     shutil.copytree(ROOT / "tests", parent / "tests", ignore=ignore)
     shutil.copytree(ROOT / "scripts", parent / "scripts", ignore=ignore)
     shutil.copy2(ROOT / "pyproject.toml", parent / "pyproject.toml")
+    shutil.copytree(ROOT / "docs", parent / "docs")  # the pages the documented-commands test reads
+    shutil.copy2(ROOT / "README.md", parent / "README.md")
     return parent
 
 

@@ -226,3 +226,5 @@ def test_the_pages_show_commands_and_the_skips_are_few():
     skipped = [c for c in commands if _skip_reason(c)]
     assert len(commands) > 100 and len(skipped) < len(commands) // 4, [c.where for c in skipped]
     assert sum(c.where.startswith("README.md") for c in commands) >= 14  # the README's whole tour is read
+    plans = [c for c in commands if c.argv[:1] == ("plan",)]
+    assert {c.argv for c in plans if not _shown_before(c)} == {c.argv for c in plans}  # each plan runs on one page
