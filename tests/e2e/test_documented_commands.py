@@ -19,6 +19,7 @@ Commands that cannot run on this machine say why in :data:`SKIPPED` (a GPU, the 
 
 from __future__ import annotations
 
+import functools
 import shlex
 import shutil
 from dataclasses import dataclass
@@ -91,6 +92,7 @@ class Documented:
     """What the page shows the command printing (after a ``$ `` prompt), or nothing."""
 
 
+@functools.cache  # read once: several tests and checks read every page
 def _commands(page: Path) -> list[Documented]:
     lines, found, in_block, i = page.read_text().splitlines(), [], False, 0
     while i < len(lines):

@@ -226,8 +226,7 @@ def end_workers(*loaders: DataLoader | None) -> None:
         iterator = getattr(loader, "_iterator", None)  # where a DataLoader keeps its persistent-workers iterator
         if iterator is not None:
             loader._iterator = None  # type: ignore[union-attr]
-            if hasattr(iterator, "_shutdown_workers"):
-                iterator._shutdown_workers()
+            iterator._shutdown_workers()  # only a loader with persistent workers keeps an iterator
 
 
 def eval_loader(loop: Loop, data: Dataset) -> DataLoader:

@@ -87,16 +87,6 @@ class Plan:
                 "max_global_batch": self.max_global_batch, "overrides": self.overrides()}
 
 
-def _largest(at: int, low: Sequence[StepMemory], high: Callable[[], Sequence[StepMemory]] | None, budget: int) -> int:
-    """The largest batch (per process, as ``at``) whose every device fits ``budget`` with the margin, from each
-    device's counts at ``at`` (``low``) and ``2 at`` (``high()``): :func:`~gputrain.tools.plan.memory.largest_batch`.
-    No ``high``: not asked for (-1)."""
-    if high is None:
-        return -1
-    room = budget * (1 - MARGIN)
-    return min(memory.largest_batch(a, b, at, room) for a, b in zip(low, high(), strict=True))
-
-
 def _per_process(processes: int, largest: int) -> int:
     """A data-parallel plan's largest global batch from one process's (-1, not asked for, stays -1)."""
     return processes * largest if largest >= 0 else -1
@@ -119,8 +109,14 @@ class Planner:
     largest: bool = True
     """Whether to find each plan's largest batch (a second count at twice the batch); else it is -1."""
 
-    def _twice(self, count: Callable[[], Sequence[StepMemory]]) -> Callable[[], Sequence[StepMemory]] | None:
-        return (lambda: [self._with_overhead(m) for m in count()]) if self.largest else None
+    def _largest(self, at: int, low: Sequence[StepMemory], high: Callable[[], Sequence[StepMemory]]) -> int:
+        """The largest batch (per process, as ``at``) whose every device fits the budget with the margin, from each
+        device's counts at ``at`` (``low``) and ``2 at`` (``high()``, counted only here):
+        :func:`~gputrain.tools.plan.memory.largest_batch`. -1 when not asked for (:attr:`largest`)."""
+        if not self.largest:
+            return -1
+        room = self.budget * (1 - MARGIN)
+        return min(memory.largest_batch(a, self._with_overhead(b), at, room) for a, b in zip(low, high(), strict=True))
 
     @property
     def device_type(self) -> str:
@@ -140,7 +136,7 @@ class Planner:
     def single(self) -> Plan:
         g = self.global_batch
         mem = self._with_overhead(memory.step_memory(self.work, g))
-        largest = _largest(g, [mem], self._twice(lambda: [memory.step_memory(self.work, 2 * g)]), self.budget)
+        largest = self._largest(g, [mem], lambda: [memory.step_memory(self.work, 2 * g)])
         return Plan("single", 1, g, g, (mem,), self._compute_s(g), self.budget, max_global_batch=largest)
 
     def ddp(self) -> Plan:
@@ -151,8 +147,8 @@ class Planner:
         compute = self._compute_s(b)
         comm = allreduce_s(buckets, n, self.device_type)
         exposed = max(allreduce_s(min(buckets, DDP_BUCKET_BYTES), n, self.device_type), comm - compute * 2 / 3)
-        twice = self._twice(lambda: [memory.step_memory(self.work, 2 * b, held_gradients=True)])
-        largest = _per_process(n, _largest(b, [mem], twice, self.budget))
+        largest = _per_process(n, self._largest(b, [mem], lambda: [memory.step_memory(self.work, 2 * b,
+                                                                                       held_gradients=True)]))
         return Plan("ddp", n, self.global_batch, b, (mem,) * n, compute + exposed, self.budget,
                     max_global_batch=largest)
 
@@ -168,7 +164,7 @@ class Planner:
         # moves (N - 1) / N of the model, 1.5 all-reduces' worth; units overlap with compute except the first.
         comm = 1.5 * allreduce_s(self._grad_bytes(), n, self.device_type)
         exposed = max(comm / (len(self.fsdp_units) + 1), comm - compute)
-        largest = _per_process(n, _largest(b, [mem], self._twice(lambda: [at(2 * b)]), self.budget))
+        largest = _per_process(n, self._largest(b, [mem], lambda: [at(2 * b)]))
         return Plan("fsdp", n, self.global_batch, b, (mem,) * n, compute + exposed, self.budget,
                     max_global_batch=largest)
 
@@ -199,8 +195,7 @@ class Planner:
             step = sum(stage_s) + (m - 1) * max(stage_s)  # fill and drain, then the slowest stage's pace
             boundary = sum(self.shares.output_bytes_per_sample[i - 1] for i in split) * micro
             step += 2 * m * send_s(boundary, self.device_type)  # activations forward, their gradients back
-        twice = self._twice(lambda: self._stage_memory(strategy, schedule, split, 2 * g))
-        largest = _largest(g, per_stage, twice, self.budget)
+        largest = self._largest(g, per_stage, lambda: self._stage_memory(strategy, schedule, split, 2 * g))
         return Plan(strategy, k, g, g, tuple(per_stage), step, self.budget, micro_batches=m, schedule=schedule,
                     split_points=tuple(self.shares.names[i] for i in split), max_global_batch=largest)
 
