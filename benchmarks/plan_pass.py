@@ -32,7 +32,7 @@ from gputrain.tools.plan.workload import Workload
 
 def before(work: Workload, batch: int) -> memory.StepMemory:
     """The pass as it was up to 2026-11-26: a whole training step first, then the full MemTracker."""
-    with memory._fake(work) as (model, fake):
+    with memory.fake_model(work) as (model, fake):
         inputs, targets = fake(work.batch(batch))
         optimizer = work.optimizer(model)
         work.train_step(model, optimizer, inputs, targets)

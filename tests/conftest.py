@@ -16,6 +16,11 @@ torch.set_num_threads(1)
 # import them by name, never from each other.
 sys.path.insert(0, str(Path(__file__).parent))
 
+from hangs import pytest_timeout_set_timer  # noqa: E402,F401  (a test past its limit prints its ranks' stacks)
+
+# A test longer than this by design is marked slow, or carries its own @pytest.mark.timeout with the reason.
+SLOW_TIMEOUT_S = 600
+
 
 @pytest.fixture(autouse=True)
 def _restore_environment():
@@ -28,6 +33,9 @@ def _restore_environment():
 
 
 def pytest_collection_modifyitems(config, items):
+    for item in items:  # the default limit (pyproject.toml's timeout) is for the fast tier
+        if "slow" in item.keywords and item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(SLOW_TIMEOUT_S))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU; none is visible (torch.cuda.is_available() is False)")

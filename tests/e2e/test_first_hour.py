@@ -1,9 +1,11 @@
-"""A user's first hour (issue 7), through the command line: each numbered item of the issue, as a user meets it.
+"""A user's first hour (issue 7), through the command line: items 1, 2 and 8 of the issue on one finished run.
 
-Refusals that happen before any training are checked by calling ``gputrain.cli.main`` in this
-process (the same code path, without 5 s of imports per command); runs, evaluation, export and
-everything with workers or signals are real ``gputrain`` processes. Every check asserts the exit
-code, the one line printed (never a traceback) and what is left on disk.
+Run folders (1), evaluation and export from the checkpoint alone (2) and strict JSON (8), as a user meets them. One
+run with the default output folder, on a core install, serves every test that needs a finished run (the ``trained``
+fixture); refusals are checked by calling ``gputrain.cli.main`` in this process (the same code path, without 5 s of
+imports per command), runs, evaluation and export as real ``gputrain`` processes. Every check asserts the exit code,
+the one line printed (never a traceback) and what is left on disk. The other items: test_first_hour_refusals.py
+and test_first_hour_interrupts.py.
 """
 
 from __future__ import annotations
@@ -11,73 +13,14 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from gputrain.cli import main
+from first_hour import CORE_ONLY, MODELS, TINY, cli, gputrain, listing, one_error_line
 from gputrain.data.imagefolder import make_frames
-
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true", "PYTHONUNBUFFERED": "1"}
-TINY = ("--devices", "1", "--accelerator", "cpu", "--epochs", "1", "--batch-size", "4", "trainer.progress_bar=false",
-        "model.name=first_hour_models:tiny_ae", "model.kwargs.width=4")  # width 4: not the builder's default 8
-
-MODELS = '''
-from torch import nn
-
-def tiny_ae(width: int = 8) -> nn.Module:
-    return nn.Sequential(nn.Conv2d(3, width, 3, padding=1), nn.ReLU(), nn.Conv2d(width, 3, 3, padding=1))
-'''
-
-# A core install (`pip install gputrain`, no extras), made here by hiding the optional packages from the
-# path finder: find_spec returns None and imports fail exactly as for a package that is not installed.
-CORE_ONLY = '''
-import sys
-from importlib.machinery import PathFinder
-
-BLOCKED = {"tensorboard", "wandb", "onnx", "onnxruntime", "onnxscript", "pycocotools", "matplotlib"}
-
-
-class _CoreOnly(PathFinder):
-    @classmethod
-    def find_spec(cls, name, path=None, target=None):
-        if name.split(".")[0] in BLOCKED:
-            return None
-        return PathFinder.find_spec(name, path, target)
-
-
-sys.meta_path[:] = [_CoreOnly if finder is PathFinder else finder for finder in sys.meta_path]
-'''
-
-
-def gputrain(*args: str, cwd: Path, core_only: Path | None = None) -> subprocess.CompletedProcess:
-    env = dict(ENV)
-    if core_only is not None:
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(core_only), env.get("PYTHONPATH", "")) if p)
-    return subprocess.run([sys.executable, "-m", "gputrain", *args], capture_output=True, text=True, env=env,
-                          cwd=cwd, timeout=600)
-
-
-def cli(capsys, *args: str) -> tuple[int, str, str]:
-    """``gputrain ARGS`` in this process: (exit code, stdout, stderr)."""
-    code = main(list(args))
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def one_error_line(err: str) -> str:
-    lines = err.strip().splitlines()
-    assert "Traceback" not in err and len(lines) == 1 and lines[0].startswith("gputrain: error: "), err
-    return lines[0]
-
-
-def listing(folder: Path) -> dict[str, int]:
-    return {str(p.relative_to(folder)): p.stat().st_mtime_ns for p in sorted(folder.rglob("*"))}
 
 
 @pytest.fixture(scope="module")
@@ -280,130 +223,6 @@ def test_2_a_python_api_checkpoint_says_what_it_needs_and_exports_from_python(tm
     assert (tmp_path / "net.onnx").is_file()
 
 
-# -- 4. nonsense ------------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("args, flag", [
-    (("train", "autoencoder", "--devices", "0"), "--devices 0"),
-    (("train", "autoencoder", "--devices", "-1"), "--devices -1"),
-    (("train", "autoencoder", "--epochs", "0"), "--epochs 0"),
-    (("train", "autoencoder", "--epochs", "-3"), "--epochs -3"),
-    (("train", "autoencoder", "--batch-size", "0"), "--batch-size 0"),
-    (("train", "autoencoder", "trainer.epochs=0"), "trainer.epochs=0"),
-    (("data", "make", "imagefolder", "--out", "data/x", "--count", "-5"), "--count -5"),
-    (("data", "make", "imagefolder", "--out", "data/x", "--size", "0"), "--size 0"),
-])
-def test_4_nonsense_is_refused_before_anything_is_written(args, flag, capsys, cwd):
-    code, _, err = cli(capsys, *args)
-    assert code == 2 and flag in one_error_line(err)
-    assert list(cwd.iterdir()) == []  # no run folder, no data folder
-
-
-def test_4_dp_with_devices_says_how_many_devices_it_uses(capsys, cwd):
-    code, out, err = cli(capsys, "train", "cifar10-resnet18", "--devices", "2", "--accelerator", "cpu")
-    assert "strategy dp runs 1 process per node, so --devices 2 starts no more processes" in out
-    assert "on a CPU it uses one device" in out
-    assert code == 2 and "data.root=data/cifar10 does not exist" in one_error_line(err)  # found before any worker
-
-
-# -- 5. precision that cannot help ------------------------------------------------------------------
-
-
-def test_5_a_recipe_16_bit_default_falls_back_on_cpu_and_an_explicit_one_warns(workdir, tmp_path, capsys, monkeypatch):
-    monkeypatch.chdir(workdir)
-    recipe = tmp_path / "half.yaml"
-    recipe.write_text("task: autoencoder\ntrainer:\n  precision: 16-mixed\n  loggers: []\n")
-    code, out, err = cli(capsys, "train", str(recipe), *TINY, "--out", str(tmp_path / "a"))
-    assert code == 0 and "precision 16-mixed (from the recipe) falls back to 32 on a CPU" in out
-    assert json.loads((tmp_path / "a" / "summary.json").read_text())["precision"] == "32"
-    code, out, err = cli(capsys, "train", str(recipe), *TINY, "--out", str(tmp_path / "b"), "--precision", "16-mixed")
-    assert code == 0 and "warning: precision 16-mixed on a CPU" in err and "Traceback" not in err
-    assert json.loads((tmp_path / "b" / "summary.json").read_text())["precision"] == "16-mixed"
-
-
-# -- 6. one line instead of a traceback -------------------------------------------------------------
-
-
-def test_6_yaml_syntax_error_and_out_that_is_a_file(capsys, cwd):
-    (cwd / "mine.yaml").write_text("task: autoencoder\ntrainer:\n  epochs: 2\n  loggers: [csv\n")
-    code, _, err = cli(capsys, "train", "mine.yaml")
-    assert code == 2 and "recipe mine.yaml line 5" in one_error_line(err)
-    (cwd / "notes.txt").write_text("mine")
-    (cwd / "data" / "frames").mkdir(parents=True)
-    code, _, err = cli(capsys, "train", "autoencoder", "--out", "notes.txt")
-    assert code == 2 and "--out notes.txt is a file" in one_error_line(err)
-    assert (cwd / "notes.txt").read_text() == "mine"
-
-
-def test_6_images_of_different_sizes_name_the_first_odd_file(workdir, tmp_path, capsys, monkeypatch):
-    from torchcodec.encoders import PngEncoder
-
-    monkeypatch.chdir(workdir)
-    data = tmp_path / "frames"
-    subprocess.run(["cp", "-r", str(workdir / "data" / "frames"), str(data)], check=True)
-    odd = data / "video_01" / "odd.png"
-    PngEncoder(torch.zeros(3, 24, 24, dtype=torch.uint8)).to_file(odd)
-    code, _, err = cli(capsys, "train", "autoencoder", *TINY, "--data-root", str(data), "--out", str(tmp_path / "r"))
-    line = one_error_line(err)
-    assert code == 2 and str(odd) in line and "24x24" in line and "32x32" in line and "data.image_size" in line
-
-
-def test_6_a_failing_run_inside_bench_scale_is_named(capsys, cwd):
-    (cwd / "empty").mkdir()  # exists (a missing folder is refused before any run), but holds no images
-    code, _, err = cli(capsys, "bench", "scale", "autoencoder", "--devices", "1", "--batch-size", "4",
-                       "--accelerator", "cpu", "--out", "scale", "data.root=empty")
-    line = one_error_line(err)
-    assert code == 2 and "--devices 1 --batch-size 4 failed (exit 2)" in line and "empty" in line
-
-
-# -- 7. multi-process runs: early and quiet ---------------------------------------------------------
-
-
-def test_7_a_missing_data_root_is_found_before_workers_start(capsys, cwd):
-    code, _, err = cli(capsys, "train", "autoencoder", "--devices", "2", "--data-root", "missing/frames")
-    line = one_error_line(err)
-    assert code == 2 and "data.root=missing/frames does not exist" in line and "rank" not in line
-    assert not (cwd / "runs").exists()
-
-
-@pytest.mark.slow
-def test_7_the_first_failing_rank_is_printed_last_without_the_others_noise(workdir, tmp_path):
-    data = tmp_path / "frames"
-    subprocess.run(["cp", "-r", str(workdir / "data" / "frames"), str(data)], check=True)
-    victim = sorted(data.rglob("*.jpg"))[0]
-    raw = victim.read_bytes()
-    victim.write_bytes(raw[: int(len(raw) * 0.9)])  # the header reads; decoding fails on the rank that reads it
-    done = gputrain("train", "autoencoder", *TINY, "--devices", "2", "--data-root", str(data),
-                    "--out", str(tmp_path / "run"), "data.val_fraction=0", cwd=workdir)
-    last = done.stderr.strip().splitlines()[-1]
-    assert done.returncode == 2 and re.match(r"gputrain: error: rank [01]: image .*truncated", last) and str(victim) in last
-    assert "Traceback" not in done.stderr and "Connection closed" not in done.stderr
-    assert len(done.stderr.strip().splitlines()) <= 5
-
-
-def _coco_log_lines(dist_info, root: str) -> int:
-    import logging
-
-    from gputrain.data.coco import COCODetection
-
-    records: list[logging.LogRecord] = []
-    handler = logging.Handler()
-    handler.emit = records.append  # type: ignore[method-assign]
-    logging.getLogger("gputrain.data.coco").addHandler(handler)
-    COCODetection(Path(root) / "images", Path(root) / "annotations" / "instances.json", train=True)
-    return sum("kept" in r.getMessage() for r in records)
-
-
-@pytest.mark.slow
-@pytest.mark.filterwarnings("ignore:__array__ implementation doesn't accept a copy keyword:DeprecationWarning")
-def test_7_coco_kept_line_is_printed_once_per_job(tmp_path):
-    from gputrain.data.coco_sample import make_coco
-    from multiproc import run_ranks
-
-    make_coco(tmp_path / "coco", num_images=6, size=48)
-    assert run_ranks(_coco_log_lines, str(tmp_path / "coco")) == [1, 0]
-
-
 # -- 8. strict JSON ---------------------------------------------------------------------------------
 
 
@@ -416,100 +235,6 @@ def test_8_metrics_and_summary_are_strict_json(trained):
     for line in (run / "metrics.jsonl").read_text().splitlines():
         json.loads(line, parse_constant=refuse)
     json.loads((run / "summary.json").read_text(), parse_constant=refuse)
-
-
-# -- 10. small things -------------------------------------------------------------------------------
-
-
-def test_10_version_and_help_describe_the_tool(capsys):
-    with pytest.raises(SystemExit) as exit_:
-        main(["--version"])
-    assert exit_.value.code == 0 and re.match(r"gputrain \d+\.\d+\.\d+ \(torch ", capsys.readouterr().out)
-    with pytest.raises(SystemExit):
-        main(["--help"])
-    text = capsys.readouterr().out
-    assert "trains vision models" in text and "example" in text and "docs/cli.md" in text
-    assert all(c in text for c in ("train RECIPE", "eval [RECIPE]", "export onnx", "data make", "bench scale"))
-    with pytest.raises(SystemExit):
-        main(["eval", "--help"])
-    text = capsys.readouterr().out
-    assert "--checkpoint" in text and not any(f in text for f in ("--epochs", "--seed", "--resume", "--max-restarts"))
-
-
-# -- 11. a core install -----------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("args, extra", [
-    (("train", "autoencoder", *TINY, "trainer.loggers=[csv,tensorboard]"), "loggers"),
-    (("export", "onnx", "--checkpoint", "whatever.pt", "--out", "m.onnx"), "export"),
-    pytest.param(("train", "autoencoder", *TINY, "--devices", "2", "trainer.loggers=[wandb]"), "loggers",
-                 marks=pytest.mark.slow),
-    pytest.param(("train", "coco-maskrcnn", "--accelerator", "cpu"), "coco", marks=pytest.mark.slow),
-])
-def test_11_a_missing_optional_package_names_the_extra(args, extra, workdir, tmp_path):
-    done = gputrain(*args, cwd=tmp_path, core_only=workdir / "core_only")
-    line = one_error_line(done.stderr)
-    assert done.returncode == 2 and f"pip install 'gputrain[{extra}]'" in line
-    assert not (tmp_path / "runs").exists()
-
-
-# -- 3. interrupts (real processes and signals) -----------------------------------------------------
-
-
-def _interrupt(workdir: Path, out: Path, devices: str, sig: signal.Signals, *, group: bool, epochs: int = 60):
-    """Start a long run, send ``sig`` once the first epoch is logged; (exit code, stdout, stderr, seconds to exit)."""
-    args = ["train", "autoencoder", *TINY, "--devices", devices, "--epochs", str(epochs), "--batch-size", "2",
-            "--out", str(out), "trainer.loggers=[]"]
-    proc = subprocess.Popen([sys.executable, "-m", "gputrain", *args], cwd=workdir, env=ENV, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
-    lines = []
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        lines.append(line)
-        if line.startswith("epoch 1:"):
-            break
-    sent = time.monotonic()
-    os.killpg(proc.pid, sig) if group else os.kill(proc.pid, sig)  # Ctrl-C reaches the whole group
-    out, err = proc.communicate(timeout=120)
-    return proc.returncode, "".join(lines) + out, err, time.monotonic() - sent
-
-
-def _weights(path: Path) -> dict[str, torch.Tensor]:
-    return torch.load(path, map_location="cpu", weights_only=True)["model"]
-
-
-@pytest.mark.parametrize("devices, sig, group, code", [
-    pytest.param("2", signal.SIGINT, True, 130, marks=pytest.mark.slow),
-    # In the fast tier: the ranks run in sessions of their own, so the launcher's forwarding is the only way
-    # a signal sent to it reaches them.
-    ("2", signal.SIGTERM, False, 143),
-    pytest.param("1", signal.SIGINT, True, 130, marks=pytest.mark.slow),
-])
-def test_3_an_interrupt_stops_cleanly_with_one_line(workdir, tmp_path, devices, sig, group, code):
-    out = tmp_path / "run"
-    rc, stdout, stderr, _ = _interrupt(workdir, out, devices, sig, group=group)
-    interrupted = [line for line in stdout.splitlines() if line.startswith("interrupted at epoch")]
-    assert rc == code and len(interrupted) == 1, (stdout, stderr)
-    assert f"--resume auto --out {out}" in interrupted[0]
-    assert "Traceback" not in stderr and stderr.strip() == "", stderr
-    assert (out / "checkpoints" / "last.pt").is_file()
-
-
-@pytest.mark.slow
-def test_3_resume_after_ctrl_c_ends_with_the_uninterrupted_weights(workdir, tmp_path):
-    out = tmp_path / "interrupted"
-    # 12 epochs: the signal goes out as soon as epoch 1 is logged, seconds before the run could end (which
-    # would fail the exit code check), and the resumed and uninterrupted runs stay short.
-    rc, _, stderr, _ = _interrupt(workdir, out, "2", signal.SIGINT, group=True, epochs=12)
-    assert rc == 130, stderr
-    common = ("train", "autoencoder", *TINY, "--devices", "2", "--epochs", "12", "--batch-size", "2",
-              "trainer.loggers=[]")
-    resumed = gputrain(*common, "--resume", "auto", "--out", str(out), cwd=workdir)
-    straight = gputrain(*common, "--out", str(tmp_path / "straight"), cwd=workdir)
-    assert resumed.returncode == 0 and straight.returncode == 0, resumed.stderr + straight.stderr
-    a, b = _weights(out / "checkpoints" / "last.pt"), _weights(tmp_path / "straight" / "checkpoints" / "last.pt")
-    for key in b:
-        torch.testing.assert_close(a[key], b[key], rtol=0, atol=1e-7)
 
 
 # -- 2, on a built-in recipe with a non-default model option ---------------------------------------

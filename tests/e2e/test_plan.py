@@ -36,9 +36,9 @@ def frames(tmp_path_factory) -> Path:
 def planned(tmp_path_factory, frames) -> dict:
     out = tmp_path_factory.mktemp("plan") / "plan.json"
     done = gputrain("plan", "autoencoder", "--data-root", str(frames), "--devices", "2", "--accelerator", "cpu",
-                    "--batch-size", "8", "--json", str(out))
+                    "--batch-size", "8", "--seed", "0", "--json", str(out))  # --seed: a train flag plan takes
     assert done.returncode == 0, done.stderr[-3000:]
-    return {"json": json.loads(out.read_text()), "stdout": done.stdout}
+    return {"json": json.loads(out.read_text()), "stdout": done.stdout, "stderr": done.stderr}
 
 
 @pytest.mark.parametrize(("strategy", "global_batch"), [("ddp", 20), ("fsdp", 20), ("pipeline", 10), ("dp", 10),
@@ -127,6 +127,17 @@ def test_a_layer_that_cannot_run_on_fake_tensors_is_named_and_the_step_measured(
     assert predicted == memory.measured_step_memory(work, 4) and not work.runs_on_fake_tensors
     (note,) = work.notes
     assert "layer ResNet.layer2.1.relu.0 cannot run on fake tensors" in note and "measured by real steps" in note
+
+
+def test_plan_says_what_it_measures_a_line_per_stage_in_a_log(planned):
+    stages = planned["stderr"].splitlines()  # stderr is a pipe here: lines, not a bar; the report is on stdout
+    assert stages[0] == "gputrain plan: [1] reading a batch of the training data and building the model"
+    assert stages[1].startswith("gputrain plan: [2] timing training steps at batch ")
+    counted = [line for line in stages if "counting memory on fake tensors: " in line]
+    assert [line.rsplit(": ", 1)[1] for line in counted][:2] == ["single", "ddp"] and len(counted) == 12
+    total = stages[-1].split("[", 1)[1].split("]")[0]
+    assert total.split("/")[0] == total.split("/")[1] == str(len(stages))  # the count ends where it said it would
+    assert "gputrain plan: [" not in planned["stdout"]
 
 
 def test_plan_lists_every_plan_for_two_devices_with_the_json_fields(planned):

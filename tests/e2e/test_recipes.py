@@ -1,234 +1,46 @@
-"""Each built-in recipe learns on its generated data, end to end through the CLI, on CPU.
+"""Each built-in classification and segmentation recipe learns on its generated data, end to end through the CLI,
+on CPU.
 
-Every run is a real ``gputrain`` process (real torchrun workers where ``--devices 2``), so
-these are the slowest tests of the suite: each recipe is shrunk until one run takes tens of
-seconds on a shared 2-core machine, and every shrinking override says why in a comment.
-The same settings drive ``benchmarks/recipes.py`` (it imports :data:`RECIPES`), so the
-figures there describe exactly what these tests run.
+Every run is a real ``gputrain`` process (real torchrun workers where ``--devices 2``), so these are the slowest
+tests of the suite: each recipe is shrunk (recipe_runs.py) until one run takes tens of seconds on a shared 2-core
+machine. The same settings drive ``benchmarks/recipes.py`` (it imports :data:`RECIPES` from here), so the figures
+there describe exactly what these tests run. Mask R-CNN on COCO: test_recipe_maskrcnn.py.
 
-What is checked per recipe: the loss halves (the first logged step against the last
-epoch's mean; one step of a few images is too noisy to be "the last loss"), the task
-metric ends well above chance, and ``gputrain eval`` of the final checkpoint gives the
-same metric on 1 and 2 processes over a validation set of odd size, counting every
+What is checked per recipe: the loss halves (the first logged step against the last epoch's mean; one step of a
+few images is too noisy to be "the last loss"), the task metric ends well above chance, and ``gputrain eval`` of
+the final checkpoint gives the same metric on 1 and 2 processes over a validation set of odd size, counting every
 sample exactly once.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
 import pytest
-import torch
-import torchvision
+from recipe_runs import (
+    ADE20K,
+    CIFAR10,
+    IMAGEFOLDER,
+    Trained,
+    _epochs,
+    _trained,
+    assert_loss_halves,
+    evaluate_on_1_and_2,
+    gputrain,
+    records,
+)
 
-from gputrain.models.vision import maskrcnn
-from gputrain.tools.make_data import make_dataset
+# Re-exported: benchmarks/recipes.py imports the settings from this file.
+from recipe_runs import COMMON as COMMON
+from recipe_runs import RECIPES as RECIPES
+from recipe_runs import RecipeRun as RecipeRun
 
 pytestmark = [
     pytest.mark.slow,
     # pycocotools 2.0 under numpy 2, when make_coco decodes masks in this process; harmless.
     pytest.mark.filterwarnings("ignore:__array__ implementation doesn't accept a copy keyword:DeprecationWarning"),
 ]
-
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true"}
-
-COMMON = (
-    "--accelerator", "cpu", "--seed", "0",
-    "trainer.log_every_n_steps=1",  # every step in metrics.jsonl: the first logged loss is the untrained one
-    "trainer.progress_bar=false", "trainer.loggers=[]",  # metrics.jsonl is always written; nothing else needed
-    "trainer.checkpoint_every_n_epochs=0",  # last.pt only: Mask R-CNN's checkpoint is 250 MB with momentum
-    "trainer.pictures=0",  # pictures are tested in tests/unit/test_report.py; here they would only cost time
-)
-
-
-@dataclass(frozen=True)
-class RecipeRun:
-    """A built-in recipe shrunk to run on CPU in tens of seconds, and the data it runs on."""
-
-    recipe: str
-    data: str
-    """``gputrain data make`` kind."""
-    count: int
-    """Images generated (``--count``); chosen so the validation split has an odd size."""
-    size: int
-    """Image side generated (``--size``; 0: the kind's default)."""
-    val_size: int
-    """Validation images that ``count`` yields (the kind's or the recipe's split)."""
-    devices: int
-    """Processes of the training run."""
-    args: tuple[str, ...]
-    """Flags and overrides, besides data root, output folder and devices."""
-
-    def settings(self) -> str:
-        """One line for reports: data and every non-common argument."""
-        return f"data make {self.data} --count {self.count} --size {self.size or 'default'}; {' '.join(self.args)}"
-
-
-CIFAR10 = RecipeRun(
-    recipe="cifar10-resnet18", data="cifar10", count=600, size=0, val_size=100, devices=1,
-    args=(
-        "--epochs", "3", "--batch-size", "32",
-        # The CIFAR stem keeps 32x32 maps into layer1, about 16x the FLOPs of the ImageNet
-        # stem; the generated shapes are learnable from 8x8 maps too, and that fits in seconds.
-        "model.kwargs.cifar_stem=false",
-        # The recipe's lr 0.05 is for batch 128; scaled linearly to batch 32 (at 0.05 the
-        # loss of this short run jumps around instead of falling).
-        "optim.lr=0.0125",
-    ),
-)
-
-IMAGEFOLDER = RecipeRun(
-    recipe="imagefolder-resnet50", data="classfolder", count=164, size=32, val_size=33, devices=1,
-    args=(
-        "--epochs", "6", "--batch-size", "16",
-        "data.image_size=32",  # 224 px ResNet-50 runs at about 1 image/s on one CPU core
-        # The recipe's lr 0.1 is for a global batch of 32 x its device count; at 16 on 1 device
-        # it diverges, and its 100 warm-up steps are more than this whole run (48 steps).
-        "optim.lr=0.005", "scheduler.warmup_steps=8",
-        # At 32 px layer4's maps are 1x1, so the epoch's 3-image tail batch would have its
-        # BatchNorm normalise over 3 values; that step alone undoes much of the epoch.
-        "trainer.drop_last=true",
-        # RandomResizedCrop keeps as little as 8% of the image: at 32 px a 9 px patch that often
-        # misses the shape. Without it the loss falls steadily over seeds; at 224 px it is fine.
-        "data.augment=false",
-    ),
-)
-
-ADE20K = RecipeRun(
-    recipe="ade20k-deeplabv3plus", data="ade20k", count=85, size=64, val_size=17, devices=2,
-    args=(
-        "--epochs", "6", "--batch-size", "8",
-        "data.num_classes=8",  # the generated set has 8 classes (the recipe's 150 are ADE20K's)
-        "data.image_size=64",
-        # No --precision: the recipe's `mixed` must resolve to 32 on a CPU, where 16-bit autocast
-        # convolutions have no fast kernels (about 100 s an epoch with 16-mixed).
-        # ResNet-18 instead of 50; torchvision's BasicBlock cannot dilate, so DeepLabV3Plus runs
-        # it at output stride 32 by default (it raises for 8 or 16).
-        "model.kwargs.backbone=resnet18",
-        # 64 channels in ASPP and decoder instead of 256: the decoder's 3x3 convs at stride 4
-        # otherwise cost more than the whole backbone at 64 px.
-        "model.kwargs.aspp_channels=64", "model.kwargs.decoder_channels=64",
-        # trainer.sync_batchnorm=true comes from the recipe: on 2 CPU ranks it is our CpuSyncBatchNorm.
-    ),
-)
-
-COCO = RecipeRun(
-    recipe="coco-maskrcnn", data="coco", count=35, size=64, val_size=7, devices=2,
-    args=(
-        "--epochs", "4", "--batch-size", "2",
-        # ResNet-18-FPN instead of ResNet-50-FPN, and the images at their generated 64 px
-        # instead of resized to 512.
-        "model.kwargs.backbone=resnet18", "model.kwargs.min_size=64", "model.kwargs.max_size=64",
-        # The mask head (four 256-channel 3x3 convs per RoI) dominates on CPU: sample 16 RoIs
-        # per image (4 positive) instead of 512, and keep at most 10 detections per image in
-        # eval (the images hold at most 4 objects) instead of 100.
-        "model.kwargs.box_batch_size_per_image=16", "model.kwargs.box_detections_per_img=10",
-        # Fewer RPN proposals than the defaults (2000/1000) meant for 800 px images.
-        "model.kwargs.rpn_pre_nms_top_n_train=300", "model.kwargs.rpn_post_nms_top_n_train=100",
-        "model.kwargs.rpn_pre_nms_top_n_test=300", "model.kwargs.rpn_post_nms_top_n_test=100",
-        "model.kwargs.rpn_batch_size_per_image=64",
-        # lr 0.02 is for a global batch of 16; this run's is 4. The recipe's 100 warm-up
-        # steps are more than this whole run (28 steps), and its decay (x0.1 after 16 of 26
-        # epochs) comes after 3 of 4 here: without it the last epoch's mAP swings widely.
-        "optim.lr=0.01", "scheduler.warmup_steps=5", "scheduler.step_epochs=3",
-    ),
-)
-
-RECIPES: dict[str, RecipeRun] = {r.recipe: r for r in (CIFAR10, IMAGEFOLDER, ADE20K, COCO)}
-
-
-def _checked(args: tuple[str, ...], done: subprocess.CompletedProcess, check: bool) -> subprocess.CompletedProcess:
-    if check and done.returncode != 0:
-        raise AssertionError(f"gputrain {' '.join(args)} failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
-    return done
-
-
-def gputrain(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    done = subprocess.run([sys.executable, "-m", "gputrain", *args], capture_output=True, text=True, env=ENV)
-    return _checked(args, done, check)
-
-
-def gputrain_concurrently(*commands: tuple[str, ...]) -> list[subprocess.CompletedProcess]:
-    """Run several ``gputrain`` commands at once; most of a short command is its start-up (imports)."""
-    procs = [subprocess.Popen([sys.executable, "-m", "gputrain", *args], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env=ENV) for args in commands]
-    results = []
-    for args, proc in zip(commands, procs, strict=True):
-        stdout, stderr = proc.communicate()
-        results.append(_checked(args, subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr), True))
-    return results
-
-
-def make_data(spec: RecipeRun, out: Path, *, cli: bool = False) -> Path:
-    """``gputrain data make`` with the spec's arguments; in this process (the same function, without
-    the command's ~4 s of imports) unless ``cli``."""
-    if cli:
-        gputrain("data", "make", spec.data, "--out", str(out), "--count", str(spec.count),
-             *(("--size", str(spec.size)) if spec.size else ()))
-        return out
-    return make_dataset(spec.data, out, count=spec.count, size=spec.size)
-
-
-@dataclass(frozen=True)
-class Trained:
-    """A finished training run of a :class:`RecipeRun` and the data it read."""
-
-    data: Path
-    run: Path
-    done: subprocess.CompletedProcess
-
-    @property
-    def checkpoint(self) -> Path:
-        return self.run / "checkpoints" / "last.pt"
-
-
-def train(spec: RecipeRun, data: Path, out: Path) -> Trained:
-    done = gputrain("train", spec.recipe, "--devices", str(spec.devices), "--data-root", str(data),
-                    "--out", str(out), *COMMON, *spec.args)
-    return Trained(data, out, done)
-
-
-def evaluate_on_1_and_2(spec: RecipeRun, trained: Trained, out: Path) -> tuple[dict[str, Any], dict[str, Any]]:
-    """``gputrain eval`` of the trained run's last checkpoint on 1 and on 2 processes: both eval.json."""
-    commands = [("eval", spec.recipe, "--checkpoint", str(trained.checkpoint), "--devices", str(devices),
-                 "--data-root", str(trained.data), "--out", str(out / f"eval{devices}"), *COMMON, *spec.args)
-                for devices in (1, 2)]
-    gputrain_concurrently(*commands)
-    one, two = (json.loads((out / f"eval{d}" / "eval.json").read_text()) for d in (1, 2))
-    assert (one["world_size"], two["world_size"]) == (1, 2)
-    return one, two
-
-
-def records(run: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """(step records, epoch records) of a run's metrics.jsonl."""
-    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    return [r for r in lines if "lr" in r], [r for r in lines if "time/train_s" in r]
-
-
-def assert_loss_halves(run: Path, epochs: int) -> dict[str, Any]:
-    """The last epoch's mean training loss is at most half the first logged step's; returns that epoch."""
-    steps, epoch_records = records(run)
-    assert [r["epoch"] for r in epoch_records] == list(range(1, epochs + 1))
-    assert steps[0]["step"] == 1
-    first, last = steps[0]["train/loss"], epoch_records[-1]["train/loss"]
-    assert last <= first / 2, f"loss fell from {first:.3f} to only {last:.3f}"
-    return epoch_records[-1]
-
-
-def _trained(spec: RecipeRun, tmp_path_factory: pytest.TempPathFactory, *, cli_data: bool = False) -> Trained:
-    root = tmp_path_factory.mktemp(spec.recipe)
-    return train(spec, make_data(spec, root / "data", cli=cli_data), root / "run")
-
-
-def _epochs(spec: RecipeRun) -> int:
-    return int(spec.args[spec.args.index("--epochs") + 1])
 
 
 # -- cifar10-resnet18: nn.DataParallel on CPU ------------------------------------------------
@@ -314,103 +126,3 @@ def test_ade20k_eval_is_exact_on_1_and_2_processes(ade20k, tmp_path):
     assert one["val/pixel_acc"] == two["val/pixel_acc"]
     assert one["val/loss"] == pytest.approx(two["val/loss"], rel=1e-6)  # pixel-weighted: independent of batching
     assert one["val/mIoU"] == records(ade20k.run)[1][-1]["val/mIoU"]
-
-
-# -- coco-maskrcnn: DDP Mask R-CNN on 2 ranks, COCO mAP ---------------------------------------
-
-
-@pytest.fixture(scope="module")
-def coco(tmp_path_factory) -> Trained:
-    return _trained(COCO, tmp_path_factory)
-
-
-def test_coco_maskrcnn_learns_on_2_processes(coco):
-    last = assert_loss_halves(coco.run, _epochs(COCO))
-    assert json.loads((coco.run / "summary.json").read_text())["world_size"] == 2
-    assert last["val/images"] == COCO.val_size
-    # Chance is 0: random boxes and masks of 64 px images essentially never reach IoU 0.5.
-    assert last["val/bbox_mAP50"] > 0.1
-    assert last["val/segm_mAP50"] > 0.1
-
-
-def _coco_bbox_map(gt_json: Path, predictions: list[dict[str, Any]]) -> float:
-    """bbox mAP of COCO results by pycocotools alone, as a user would re-score ``predictions.json``."""
-    import contextlib
-    import io
-
-    from pycocotools.coco import COCO as CocoApi
-    from pycocotools.cocoeval import COCOeval
-
-    with contextlib.redirect_stdout(io.StringIO()):
-        gt = CocoApi(str(gt_json))
-        # Without masks: loadRes takes an entry's area from its mask when it has one.
-        dt = gt.loadRes([{k: v for k, v in p.items() if k != "segmentation"} for p in predictions])
-        ev = COCOeval(gt, dt, iouType="bbox")
-        ev.evaluate()
-        ev.accumulate()
-        ev.summarize()
-    return float(ev.stats[0])
-
-
-def test_coco_eval_is_exact_on_1_and_2_processes_and_writes_coco_results(coco, tmp_path):
-    one, two = evaluate_on_1_and_2(COCO, coco, tmp_path)
-    gt_json = tmp_path / "eval2" / "splits" / "instances_val.json"
-    gt_images = json.loads(gt_json.read_text())["images"]
-    assert len(gt_images) == COCO.val_size and COCO.val_size % 2 == 1
-    assert one["val/images"] == two["val/images"] == COCO.val_size
-    for key in ("bbox_mAP", "bbox_mAP50", "segm_mAP", "segm_mAP50"):
-        assert one[f"val/{key}"] == pytest.approx(two[f"val/{key}"], abs=1e-9), key
-    assert two["val/bbox_mAP"] > 0
-
-    predictions = json.loads((tmp_path / "eval2" / "predictions.json").read_text())
-    assert predictions, "no detections written"
-    categories = {c["id"] for c in json.loads(gt_json.read_text())["categories"]}
-    image_ids = {im["id"] for im in gt_images}
-    for p in predictions:  # the COCO results format
-        assert {"image_id", "category_id", "bbox", "score", "segmentation"} <= p.keys()
-        assert p["image_id"] in image_ids and p["category_id"] in categories
-        assert len(p["bbox"]) == 4 and 0.0 <= p["score"] <= 1.0
-        assert {"size", "counts"} <= p["segmentation"].keys()
-    assert _coco_bbox_map(gt_json, predictions) == pytest.approx(two["val/bbox_mAP"], abs=1e-9)
-
-
-# -- Mask R-CNN's backbone option (what lets the detection recipe run on CPU) -----------------
-
-
-def test_maskrcnn_default_is_torchvisions_resnet50_fpn():
-    torch.manual_seed(0)
-    ours = maskrcnn(4, min_size=64, max_size=64)
-    torch.manual_seed(0)
-    ref = torchvision.models.detection.maskrcnn_resnet50_fpn(
-        weights=None, weights_backbone=None, num_classes=4, min_size=64, max_size=64
-    )
-    a, b = ours.state_dict(), ref.state_dict()
-    assert a.keys() == b.keys()
-    assert all(torch.equal(a[k], b[k]) for k in a)
-
-
-def test_maskrcnn_resnet18_backbone_trains_and_detects():
-    torch.manual_seed(0)
-    model = maskrcnn(3, backbone="resnet18", min_size=64, max_size=64)
-    body = model.backbone.body
-    assert isinstance(body.layer1[0], torchvision.models.resnet.BasicBlock)
-    # As maskrcnn_resnet50_fpn without pretrained weights: plain BatchNorm, every layer trainable.
-    assert type(body.bn1) is torch.nn.BatchNorm2d
-    assert all(p.requires_grad for p in model.parameters())
-    images = [torch.rand(3, 64, 64), torch.rand(3, 64, 64)]
-    masks = torch.zeros(1, 64, 64, dtype=torch.uint8)
-    masks[0, 10:40, 12:30] = 1
-    target = {"boxes": torch.tensor([[12.0, 10.0, 30.0, 40.0]]), "labels": torch.tensor([1]), "masks": masks}
-    losses = model(images, [target, target])
-    assert {"loss_classifier", "loss_box_reg", "loss_mask", "loss_objectness", "loss_rpn_box_reg"} == losses.keys()
-    sum(losses.values()).backward()
-    assert body.conv1.weight.grad is not None
-    with torch.no_grad():
-        out = model.eval()(images[:1])
-    assert {"boxes", "labels", "scores", "masks"} <= out[0].keys()
-
-    frozen = maskrcnn(3, backbone="resnet18", trainable_backbone_layers=2)
-    assert not frozen.backbone.body.layer2[0].conv1.weight.requires_grad
-    assert frozen.backbone.body.layer3[0].conv1.weight.requires_grad
-    with pytest.raises(ValueError, match=r"backbone='vgg16'.*resnet18"):
-        maskrcnn(3, backbone="vgg16")

@@ -7,13 +7,13 @@
   stop at a diverged step ends the same way, without writing that step.
 * Training reads every sample once per epoch, whatever the dataset size.
 
-Each run is a real ``Trainer.fit`` of a tiny model in this process (no workers); the planted fault a
-test exists for is named in its docstring.
+Each run is a real ``Trainer.fit`` of a tiny model in this process (no workers; tests/tiny_fit.py); the planted
+fault a test exists for is named in its docstring. What ``--resume auto`` says: test_resume_auto.py; issue 15's
+faults that only slow tests caught: test_issue_15_faults.py.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import stat
 from collections.abc import Iterator
@@ -22,42 +22,10 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
-from torch import nn
-from torch.utils.data import TensorDataset
 
-from gputrain import Trainer
-from gputrain.config import OptimConfig, RunConfig, SchedulerConfig
+from gputrain.config import OptimConfig, SchedulerConfig
 from gputrain.errors import EXIT_DIVERGED, NonFiniteError
-
-
-def _model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Linear(4, 1)
-
-
-def _data(n: int, target_scale: float) -> TensorDataset:
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(n, 4, generator=g)
-    return TensorDataset(x, x.sum(1, keepdim=True) * target_scale)
-
-
-def _fit(out: Path, *, optim: OptimConfig | None = None, scheduler: SchedulerConfig | None = None,
-         n: int = 16, target_scale: float = 1.0, **trainer: Any) -> Trainer:
-    cfg = RunConfig(optim=optim or OptimConfig(name="sgd", lr=0.05, momentum=0.9),
-                    scheduler=scheduler or SchedulerConfig())
-    options: dict[str, Any] = dict(strategy="single", accelerator="cpu", progress_bar=False, loggers=[],
-                                   batch_size=8, epochs=2, out=str(out))
-    # An exploding schedule (gamma > 1) is how divergence is provoked; the Trainer refuses it as a config, so it is
-    # checked with gamma 1 and given the exploding one afterwards.
-    explode = scheduler is not None and scheduler.gamma > 1
-    if explode:
-        cfg.scheduler = dataclasses.replace(cfg.scheduler, gamma=1.0)
-    t = Trainer(cfg, **(options | trainer))
-    if explode:
-        t.cfg.scheduler.gamma = scheduler.gamma
-    t.fit(_model(), _data(n, target_scale), _data(8, target_scale), loss=F.mse_loss)
-    return t
+from tiny_fit import _fit
 
 
 def _tensors(obj: Any) -> Iterator[torch.Tensor]:
@@ -218,121 +186,3 @@ def test_divergence_without_checkpointing_still_fails(tmp_path):
     error = _diverge(tmp_path, batch_size=16, enable_checkpointing=False)
     assert not (tmp_path / "checkpoints").exists()
     assert "no checkpoint had been written" in str(error)
-
-
-# -- --resume auto says what it skipped and where it continues (issue 15 item 8) ----------------------
-def test_resume_auto_names_the_damaged_file_it_skips_the_one_it_uses_and_each_count(tmp_path, capsys):
-    _fit(tmp_path, epochs=1, checkpoint_every_n_steps=1)  # 2 steps: step_000001.pt mid-epoch, then the epoch's end
-    folder = tmp_path / "checkpoints"
-    with open(folder / "last.pt", "r+b") as f:  # epoch_0001.pt is the same file (a hard link): damaged too
-        f.truncate(100)
-    capsys.readouterr()
-    _fit(tmp_path, epochs=2, resume="auto")
-    captured = capsys.readouterr()
-    skipped = [line for line in captured.err.splitlines() if line.startswith("gputrain: skipping checkpoint")]
-    assert {line.split()[3].rstrip(":") for line in skipped} == {str(folder / "last.pt"), str(folder / "epoch_0001.pt")}
-    assert all("truncated" in line or "bytes" in line for line in skipped), skipped
-    assert f"gputrain: --resume auto uses {folder / 'step_000001.pt'}, the newest intact checkpoint" in captured.err
-    assert (f"gputrain: resumed from {folder / 'step_000001.pt'} at epoch 1, after step 1 of that epoch "
-            "(global step 1)") in captured.out.splitlines()
-    from gputrain.checkpoint.state import TrainState, resumed_line
-
-    assert resumed_line("ck.pt", TrainState(epoch=1, global_step=2)) == \
-        "gputrain: resumed from ck.pt at the start of epoch 2 (global step 2)"
-
-
-# -- issue 15's planted faults that only slow tests (or nothing) caught ---------------------------------
-def test_segmentation_validation_loss_is_the_mean_over_labelled_pixels():
-    """Fault: each batch's loss weighted by all its pixels, void ones included."""
-    from gputrain.metrics.segmentation import SegmentationEvaluator
-
-    g = torch.Generator().manual_seed(3)
-    logits, targets = torch.randn(5, 4, 6, 6, generator=g), torch.randint(0, 4, (5, 6, 6), generator=g)
-    for image, void_rows in enumerate((0, 1, 3, 5, 2)):  # a different number of void pixels in each image
-        targets[image, :void_rows] = 255
-    evaluator = SegmentationEvaluator(4)
-    for batch in ([0, 1], [2, 3], [4]):
-        evaluator.update(logits[batch], targets[batch], F.cross_entropy(logits[batch], targets[batch],
-                                                                        ignore_index=255), len(batch))
-    metrics = evaluator.compute(torch.device("cpu"))
-    exact = F.cross_entropy(logits.double(), targets, ignore_index=255)  # one mean over every labelled pixel
-    assert metrics["pixels"] == 5 * 36 - 6 * (0 + 1 + 3 + 5 + 2)
-    assert metrics["loss"] == pytest.approx(float(exact), rel=1e-6)
-
-
-def test_linear_lr_scaling_uses_the_global_batch_with_accumulation(tmp_path):
-    """Fault: lr scaled from the per-device batch (8) instead of the global batch (8 x accumulation 2)."""
-    optim = OptimConfig(name="sgd", lr=0.01, momentum=0.9, scale_lr="linear", reference_batch=8)
-    t = _fit(tmp_path, optim=optim, epochs=1, n=32, accumulate_grad_batches=2)
-    assert t.global_batch == 16
-    assert t.optimizer.param_groups[0]["lr"] == pytest.approx(0.02)
-
-
-def test_augmentation_changes_from_epoch_to_epoch_and_repeats_within_one():
-    """Fault: the augmentation seed ignores the epoch (every epoch the same random crop/flip)."""
-    from torch.utils.data import Dataset
-
-    from gputrain.data.samplers import SeededSamples
-
-    class RandomAugment(Dataset):
-        def __len__(self) -> int:
-            return 4
-
-        def __getitem__(self, index: int) -> torch.Tensor:
-            return torch.rand(3)  # stands for a random transform: it draws from torch's generator
-
-    samples = SeededSamples(RandomAugment(), seed=0)
-    assert torch.equal(samples[(0, 2)], samples[(0, 2)])  # the same sample in the same epoch: the same draw
-    assert not torch.equal(samples[(0, 2)], samples[(1, 2)])  # the next epoch draws anew
-    assert not torch.equal(samples[(0, 2)], samples[(0, 3)])
-
-
-def test_resume_auto_into_a_folder_without_checkpoints_says_a_new_run_starts(tmp_path, capsys):
-    """issue 28 item 4: a mistyped --out in a requeue script retrained from zero without a word."""
-    _fit(tmp_path / "typo", epochs=1, resume="auto")
-    out = capsys.readouterr().out.splitlines()
-    assert f"gputrain: --resume auto found no checkpoint in {tmp_path / 'typo' / 'checkpoints'}; a new run starts" in out
-    _fit(tmp_path / "typo", epochs=2, resume="auto")  # a folder with a checkpoint: no such line
-    assert "found no checkpoint" not in capsys.readouterr().out
-
-
-def _records(out: Path) -> tuple[dict[int, dict[str, Any]], dict[int, float]]:
-    """metrics.jsonl as (epoch -> its last epoch record, step -> its last logged train/loss)."""
-    import json
-
-    epochs, steps = {}, {}
-    for line in (out / "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        if "time/epoch_s" in record:
-            epochs[record["epoch"]] = record
-        elif "train/loss" in record:
-            steps[record["step"]] = record["train/loss"]
-    return epochs, steps
-
-
-@pytest.mark.parametrize("stop_after", [4, 2], ids=["on-the-epochs-last-step", "inside-a-log-window"])
-def test_a_resumed_epoch_logs_the_loss_and_samples_of_the_uninterrupted_run(tmp_path, stop_after):
-    """issue 28 item 3: a stop on an epoch's last step made the resumed run log train/loss=0 for that epoch (a dip
-    to 0 in curves.png); a stop inside a log window lost the window's first steps. Planted faults: the checkpoint
-    carries no loss sums; a resumed epoch starts its sums at 0."""
-    import signal
-
-    from gputrain.engine.hooks import Hook
-    from gputrain.errors import Interrupted
-
-    class Stop(Hook):
-        def after_step(self, ctx, logs):
-            if ctx.state.global_step == stop_after:
-                signal.getsignal(signal.SIGTERM)(signal.SIGTERM, None)  # the run's handler, as if SIGTERM came now
-
-    common = dict(n=16, batch_size=4, epochs=2, log_every_n_steps=3, loggers=["csv"])
-    _fit(tmp_path / "whole", **common)
-    with pytest.raises(Interrupted):
-        _fit(tmp_path / "stopped", hooks=[Stop()], **common)
-    _fit(tmp_path / "stopped", resume="auto", **common)
-    whole, resumed = _records(tmp_path / "whole"), _records(tmp_path / "stopped")
-    for epoch in (1, 2):
-        for key in ("train/loss", "train/samples", "train/steps", "val/loss"):
-            assert resumed[0][epoch][key] == whole[0][epoch][key], (epoch, key)
-    assert resumed[0][1]["train/samples"] == 16 and resumed[0][1]["train/loss"] > 0
-    assert resumed[1] == whole[1]  # every step's logged loss too

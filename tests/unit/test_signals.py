@@ -85,7 +85,7 @@ def test_sigusr1_stops_a_run_at_a_step_boundary_with_exit_code_138(tmp_path, own
     assert info.value.signum == signal.SIGUSR1 and info.value.exit_code == 138
     folder = tmp_path / "checkpoints"
     assert sorted(p.name for p in folder.glob("*.pt")) == ["last.pt", "step_000001.pt"]
-    assert f"interrupted at epoch 1 step 1 (checkpoint {folder / 'step_000001.pt'})" in capsys.readouterr().out
+    assert f"interrupted at epoch 1, after step 1 of that epoch (global step 1); checkpoint {folder / 'step_000001.pt'};" in capsys.readouterr().out
 
 
 def test_fit_puts_back_the_signal_handlers_it_found_after_success_and_after_failure(tmp_path, own_handlers):

@@ -110,11 +110,17 @@ def all_finite(parts: Parts, loss: float | None = None) -> bool:
     return float(comm.all_reduce(bad, op="max")) == 0.0
 
 
-def resumed_line(path: str, state: TrainState) -> str:
-    """Where a resumed run continues: the epoch (1-based), the step within it and the global step, each named."""
+def position(state: TrainState) -> str:
+    """Where a run stands, as every line that names a place in a run counts it: the epoch (1-based), the step within
+    it and the global step, each named."""
     where = (f"epoch {state.epoch + 1}, after step {state.step_in_epoch} of that epoch" if state.step_in_epoch
              else f"the start of epoch {state.epoch + 1}")
-    return f"gputrain: resumed from {path} at {where} (global step {state.global_step})"
+    return f"{where} (global step {state.global_step})"
+
+
+def resumed_line(path: str, state: TrainState) -> str:
+    """Where a resumed run continues, counted as the line of the interrupted run counts it (:func:`position`)."""
+    return f"gputrain: resumed from {path} at {position(state)}"
 
 
 def rng_state() -> dict[str, Any]:

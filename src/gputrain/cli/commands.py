@@ -17,20 +17,18 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from gputrain.cli import preflight
+from gputrain.cli.parser import COMMON_FLAGS
+from gputrain.cli.run_flags import CONFIG_FIELD
 from gputrain.config import RunConfig, load_config
 from gputrain.errors import EXIT_OK
 
-# Flags that are shorthands for config fields; everything else is a dotted key=value override. The flags
-# every recipe command shares (--data-root, --accelerator) are cli_parser.COMMON_FLAGS.
-TRAIN_FLAGS = {
-    "devices": "trainer.devices", "strategy": "trainer.strategy",
-    "precision": "trainer.precision", "epochs": "trainer.epochs", "batch_size": "trainer.batch_size",
-    "seed": "trainer.seed", "out": "trainer.out", "overwrite": "trainer.overwrite", "resume": "trainer.resume",
-    "nnodes": "launch.nnodes", "node_rank": "launch.node_rank",
-    "rdzv_endpoint": "launch.rdzv_endpoint", "max_restarts": "launch.max_restarts",
-}
+# Flags that are shorthands for config fields; everything else is a dotted key=value override. --data-root and
+# --accelerator (cli_parser.COMMON_FLAGS) reach train, eval and predict as overrides from the parser already.
+TRAIN_FLAGS = {name: key for name, key in CONFIG_FIELD.items() if name not in COMMON_FLAGS}
 TRAINING_ONLY = ("epochs", "seed", "resume", "max_restarts")
 """Train flags that eval accepts for scripts that share a command line, ignores, and leaves out of --help."""
+
+
 def is_worker() -> bool:
     """Whether torchrun, SLURM or gputrain's own launcher started this process as a rank."""
     from gputrain.launcher.spec import is_worker as launched
@@ -136,11 +134,7 @@ def _plan_strategy(cfg: RunConfig, args: argparse.Namespace) -> list[str]:
 
 
 def cmd_plan(args: argparse.Namespace, argv: Sequence[str]) -> int:
-    from gputrain.cli.parser import common_overrides
-
-    flags = [f"trainer.batch_size={args.batch_size}"] if args.batch_size else []
-    flags += [f"trainer.precision={args.precision}"] if args.precision else []
-    cfg = load_config(args.recipe, [*common_overrides(args), *flags, *args.overrides])
+    cfg = load_config(args.recipe, list(args.overrides))  # the run flags given are overrides already (parse_args)
     if args.memory_budget:
         from gputrain.tools.plan.budget import parse_size
 

@@ -18,6 +18,7 @@ from typing import Any
 from gputrain import __version__
 from gputrain.cli import commands
 from gputrain.cli.parser import DESCRIPTION, EPILOG, check_flags, common_overrides
+from gputrain.cli.run_flags import flag_overrides, refuse_flags
 from gputrain.errors import EXIT_USAGE, Interrupted, MissingExtra, exit_code_for_signal
 
 USAGE_ERRORS = (ValueError, FileNotFoundError, PermissionError, NotADirectoryError, IsADirectoryError, MissingExtra)
@@ -47,7 +48,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
             parser.error(f"{args.command} takes no key=value overrides: {' '.join(extra)}")
         args.overrides = list(args.overrides) + extra
     if hasattr(args, "overrides"):  # flags first: an explicit key=value wins, as for train's own flags
-        args.overrides = common_overrides(args) + list(args.overrides)
+        tool = getattr(args, "run_flags_of", None) not in (None, "train", "eval")  # train and eval map their own
+        args.overrides = common_overrides(args) + (flag_overrides(args) if tool else []) + list(args.overrides)
     return args
 
 
@@ -65,6 +67,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # the launcher to pick the first failing rank by time.
         command = _recorded(args.func) if worker and "TORCHELASTIC_ERROR_FILE" in os.environ else args.func
         check_flags(args)
+        refuse_flags(args)
         return command(args, argv)
     except Interrupted as err:  # the loop printed the one line (and wrote the checkpoint)
         return err.exit_code

@@ -11,6 +11,7 @@ import argparse
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from gputrain.cli.run_flags import add_run_flags
 from gputrain.config import builtin_recipes
 from gputrain.tools.diagnose import MODE_NAMES
 
@@ -33,7 +34,11 @@ commands:
   bench throughput RECIPE [--json F]     images/s with real and synthetic data, input-bound ratio, FLOPs, memory
   parity RECIPE                          do all ways of running a recipe train the same model?
   doctor RECIPE                          a short dry run on real ranks that reports distributed mistakes
+  plan RECIPE [--memory-budget 16GiB]    predict memory per device and step time of every strategy; choose
   env                                    versions, devices and distributed settings of this machine
+
+Commands that run a recipe (train, eval, plan, doctor, parity, bench) take train's flags; one that means
+nothing to a command is refused with the reason.
 
 built-in recipes: {', '.join(builtin_recipes())}
 
@@ -61,8 +66,8 @@ def check_flags(args: argparse.Namespace) -> None:
 
 
 COMMON_FLAGS = {"data_root": "data.root", "accelerator": "trainer.accelerator"}
-"""Flags of every command that runs a recipe (train, eval, parity, doctor, bench scale, export onnx), by the
-config field each sets; :func:`add_common_flags` defines them, :func:`common_overrides` turns them into overrides."""
+"""Flags of export onnx and predict, by the config field each sets (the commands that run a recipe take all of
+train's: :mod:`gputrain.cli.run_flags`); :func:`common_overrides` turns them into overrides."""
 
 
 def add_common_flags(p: argparse.ArgumentParser) -> None:
@@ -106,39 +111,6 @@ def _int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers, e.g. 1,2") from None
 
 
-def _run_flags(p: argparse.ArgumentParser, *, training: bool, hidden: Sequence[str] = ()) -> None:
-    """Flags of train (``training``) and eval; eval keeps ``hidden`` train flags out of its --help."""
-    def maybe(name: str, help_text: str) -> str:
-        return argparse.SUPPRESS if not training and name in hidden else help_text
-
-    example = "optim.lr=0.01 'trainer.loggers=[csv]'" if training else "trainer.eval_batch_size=64"
-    p.add_argument("overrides", nargs="*", help=f"dotted config overrides, e.g. {example}")
-    p.add_argument("--devices", type=int, help="processes on this node (one per GPU; ddp)")
-    p.add_argument("--strategy", help="single, ddp, dp, ... (trainer.strategy); train: auto plans first (gputrain plan)")
-    add_common_flags(p)
-    p.add_argument("--precision", choices=["auto", "mixed", "32", "16-mixed", "bf16-mixed"],
-                   help="a recipe's 16-bit default falls back to 32 on a CPU; this flag is obeyed")
-    p.add_argument("--batch-size", type=int, help="per device; the global batch is printed at start")
-    if training:
-        p.add_argument("--memory-budget", default="", help="with --strategy auto: bytes per device (12GiB, 800MB); "
-                                                           "default: the GPU's free memory, or the available RAM")
-        p.add_argument("--out", help="run folder (default: a new runs/RECIPE-DATE-TIME; runs/latest points to it); "
-                                     "a non-empty one needs --resume auto or --overwrite")
-        p.add_argument("--overwrite", action="store_const", const=True, default=None,
-                       help="delete the contents of a non-empty --out run folder first")
-    else:
-        p.add_argument("--out", help="folder for eval.json (default: RUN/eval beside the checkpoint's run)")
-        p.add_argument("--overwrite", action="store_const", const=True, default=None,
-                       help="replace an eval.json already in --out")
-    p.add_argument("--nnodes", type=int, help="nodes in the job (torchrun rendezvous)")
-    p.add_argument("--node-rank", type=int)
-    p.add_argument("--rdzv-endpoint", help="HOST:PORT of the c10d rendezvous for multi-node jobs")
-    p.add_argument("--epochs", type=int, help=maybe("epochs", "epochs to train (trainer.epochs)"))
-    p.add_argument("--seed", type=int, help=maybe("seed", "seed of weights, data order and augmentation"))
-    p.add_argument("--resume", help=maybe("resume", "auto (continue --out from its newest checkpoint) or a checkpoint"))
-    p.add_argument("--max-restarts", type=int, help=maybe("max_restarts", "torchrun elastic restarts"))
-
-
 def build_parser(description: str, epilog: str, version: str, eval_hidden: Sequence[str],
                  handlers: Mapping[str, Handler]) -> argparse.ArgumentParser:
     """The whole command line; ``handlers`` maps sub-command names to the functions that run them."""
@@ -152,7 +124,8 @@ def build_parser(description: str, epilog: str, version: str, eval_hidden: Seque
                            description="Train a recipe. Each run writes config.yaml, metrics.jsonl, checkpoints/ and "
                                        "summary.json into its run folder.")
     train.add_argument("recipe", help=f"built-in recipe ({recipes}) or a YAML file")
-    _run_flags(train, training=True)
+    train.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. optim.lr=0.01 'trainer.loggers=[csv]'")
+    add_run_flags(train, "train")
     train.set_defaults(func=handlers["train"])
 
     ev = sub.add_parser("eval", help="evaluate a checkpoint exactly, on any device count",
@@ -161,7 +134,11 @@ def build_parser(description: str, epilog: str, version: str, eval_hidden: Seque
     ev.add_argument("recipe", nargs="?", default=None,
                     help="optional: a recipe for how to run (batch size, strategy); the checkpoint says what it is")
     ev.add_argument("--checkpoint", required=True, help="a checkpoint file, e.g. runs/ae/checkpoints/last.pt")
-    _run_flags(ev, training=False, hidden=eval_hidden)
+    ev.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. trainer.eval_batch_size=64")
+    ev.add_argument("--out", help="folder for eval.json (default: RUN/eval beside the checkpoint's run)")
+    ev.add_argument("--overwrite", action="store_const", const=True, default=None,
+                    help="replace an eval.json already in --out")
+    add_run_flags(ev, "eval", own=("out", "overwrite"), hidden=eval_hidden)
     ev.set_defaults(func=handlers["eval"])
 
     data = sub.add_parser("data", help="sample data sets").add_subparsers(dest="data_command", required=True)
@@ -180,9 +157,10 @@ def build_parser(description: str, epilog: str, version: str, eval_hidden: Seque
     scale.add_argument("--devices", type=_int_list, default=[1, 2], help="e.g. 1,2")
     scale.add_argument("--batch-size", type=_int_list, default=[64, 128], help="per device, e.g. 64,128")
     scale.add_argument("--epochs", type=int, default=2)
-    add_common_flags(scale)
+    scale.add_argument("--accelerator", choices=["auto", "cpu", "cuda"], help="where to run (trainer.accelerator)")
     scale.add_argument("--out", default=None, help="folder for scale.json/md/png (default: a new runs/scale-DATE-TIME)")
     scale.add_argument("--overwrite", action="store_true", help="replace the contents of a non-empty --out")
+    add_run_flags(scale, "bench scale", own=("devices", "batch_size", "epochs", "accelerator", "out", "overwrite"))
     scale.set_defaults(func=handlers["bench scale"])
 
     tput = bench.add_parser("throughput", help="training images/s with real and synthetic data, FLOPs, memory")
@@ -190,9 +168,9 @@ def build_parser(description: str, epilog: str, version: str, eval_hidden: Seque
     tput.add_argument("overrides", nargs="*")
     tput.add_argument("--epochs", type=int, default=3, help="epochs per run; the first is not timed")
     tput.add_argument("--json", default=None, help="also write the result to this JSON file")
-    add_common_flags(tput)
     tput.add_argument("--out", default=None, help="folder for the two runs (default: a new runs/throughput-DATE-TIME)")
     tput.add_argument("--overwrite", action="store_true", help="replace the contents of a non-empty --out")
+    add_run_flags(tput, "bench throughput", own=("epochs", "out", "overwrite"))
     tput.set_defaults(func=handlers["bench throughput"])
 
     export = sub.add_parser("export", help="export models").add_subparsers(dest="export_command", required=True)
@@ -251,7 +229,7 @@ def _add_tools(sub: Any, handlers: Mapping[str, Handler]) -> None:
     p.add_argument("--dtype", choices=["float64", "float32"], default="float64",
                    help="float64 (default) compares the arithmetic without rounding noise; float32 as trained")
     p.add_argument("--json", action="store_true", help="machine-readable report")
-    add_common_flags(p)
+    add_run_flags(p, "parity", own=("epochs",))
     p.set_defaults(func=handlers["parity"])
 
     p = sub.add_parser("doctor", help="dry-run a recipe on real ranks and report distributed mistakes")
@@ -262,7 +240,7 @@ def _add_tools(sub: Any, handlers: Mapping[str, Handler]) -> None:
     p.add_argument("--timeout", type=float, default=60.0, help="seconds a collective may wait before the run is "
                                                                "declared hung")
     p.add_argument("--json", action="store_true", help="machine-readable report")
-    add_common_flags(p)
+    add_run_flags(p, "doctor", own=("devices",))
     p.set_defaults(func=handlers["doctor"])
 
     p = sub.add_parser("plan", help="predict memory per device and step time of every way to run a recipe, and choose",
@@ -273,12 +251,10 @@ def _add_tools(sub: Any, handlers: Mapping[str, Handler]) -> None:
     p.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. data.image_size=1024")
     p.add_argument("--devices", type=int, default=None, help="devices per node (default: the recipe's trainer.devices)")
     p.add_argument("--nnodes", type=int, default=1, help="nodes (ddp and fsdp plans only)")
-    p.add_argument("--batch-size", type=int, help="trainer.batch_size")
-    p.add_argument("--precision", choices=["auto", "mixed", "32", "16-mixed", "bf16-mixed"])
     p.add_argument("--memory-budget", default="", help="bytes per device: 12GiB, 800MB, 1e9 is not; default: the "
                                                        "GPU's free memory, or the available RAM on a CPU")
     p.add_argument("--json", default="", metavar="FILE", help="also write the plans as JSON")
-    add_common_flags(p)
+    add_run_flags(p, "plan", own=("devices", "nnodes", "memory_budget"))
     p.set_defaults(func=handlers["plan"])
 
     p = sub.add_parser("env", help="versions, devices, topology, distributed variables and backends")

@@ -174,6 +174,13 @@ def check_combinations(cfg: RunConfig) -> None:
     if t.compile and t.strategy == "dp":
         raise ValueError("trainer.compile=true does not work with strategy dp (nn.DataParallel copies the model to "
                          "each GPU at every step); use --strategy ddp, or trainer.compile=false")
+    for field, value, choices in (
+            ("trainer.precision", str(t.precision), ("auto", "mixed", "32", "16-mixed", "bf16-mixed")),
+            ("trainer.accelerator", t.accelerator, ("auto", "cpu", "cuda")),
+            ("optim.name", cfg.optim.name.lower(), ("sgd", "adam", "adamw")),
+            ("scheduler.name", cfg.scheduler.name.lower(), ("constant", "cosine", "poly", "step"))):
+        if value not in choices:  # when the config is made (Trainer(...) too), not when the run first needs it
+            raise ValueError(f"{field}={value!r} is unknown; choose {', '.join(choices)}")
     if t.compile_mode not in COMPILE_MODES:
         raise ValueError(f"trainer.compile_mode={t.compile_mode!r} is unknown; choose {', '.join(COMPILE_MODES)}")
     if t.monitor_mode not in ("min", "max"):

@@ -16,31 +16,28 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from gputrain.checkpoint.checkpointer import Checkpointer
-from gputrain.checkpoint.state import TrainState
+from gputrain.checkpoint.state import TrainState, position
 from gputrain.config.checks import validate
 from gputrain.config.load import to_dict
-from gputrain.config.resolve import FastPath
 from gputrain.config.schema import RunConfig, TrainerConfig
 from gputrain.dist import DistInfo, init_distributed, restart_attempt
 from gputrain.dist.stop import StopRequest
 from gputrain.engine import record, setup
+from gputrain.engine.built import BuiltRun
 from gputrain.engine.context import build_context
 from gputrain.engine.epoch import run_epoch
 from gputrain.engine.evaluate import evaluate_batches, evaluate_only
 from gputrain.engine.hooks import Hook, RunContext
 from gputrain.engine.state import LossWindow, seed_everything
 from gputrain.errors import Interrupted
-from gputrain.precision import Precision
-from gputrain.strategies.base import Strategy
+from gputrain.strategies import registered
 from gputrain.tasks.base import Task
 
 
-class Trainer:
+class Trainer(BuiltRun):
     """Train any ``nn.Module`` on any ``Dataset`` with any loss, on 1 process or many.
 
     >>> Trainer(strategy="ddp", devices=2, precision="bf16-mixed", epochs=3).fit(
@@ -61,6 +58,8 @@ class Trainer:
         self.cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, **trainer))
         """The run's config; from :meth:`fit` on, with every ``auto`` resolved (what ``config.yaml`` records)."""
         validate(self.cfg)  # the ranges and combinations the CLI checks hold for Python-API configs too
+        if self.cfg.trainer.strategy != "auto":
+            registered(self.cfg.trainer.strategy)  # Trainer(strategy="ddpp") fails here, naming the valid ones
         self.extra_hooks = hooks or []
         self.resume_command = resume_command
         self.state = TrainState()
@@ -73,48 +72,6 @@ class Trainer:
         self.carried_loss: dict[str, float] | None = None
         """The loss sums of a partly trained epoch, from the checkpoint this run resumed from."""
         self._fresh_out: tuple[Path, bool] | None = None
-
-    # -- what the run trains with (read-only, once built) ---------------------------------------------
-    @property
-    def module(self) -> nn.Module:
-        """The model as the strategy wrapped it (after :meth:`fit`)."""
-        return self._built().module
-
-    @property
-    def optimizer(self) -> torch.optim.Optimizer | None:
-        return self._built().optimizer
-
-    @property
-    def strategy(self) -> Strategy:
-        return self._built().strategy
-
-    @property
-    def precision(self) -> Precision:
-        return self._built().precision
-
-    @property
-    def steps_per_epoch(self) -> int:
-        return self._built().steps_per_epoch
-
-    @property
-    def global_batch(self) -> int:
-        """Samples per optimizer step over all ranks: batch size x data-parallel ranks x accumulation."""
-        return self._built().global_batch
-
-    @property
-    def fast(self) -> FastPath:
-        """The speed options as they were resolved for this run."""
-        return self._built().fast
-
-    @property
-    def checkpointer(self) -> Checkpointer | None:
-        """The run's checkpoints (None when ``trainer.enable_checkpointing=false``)."""
-        return self._built().checkpointer
-
-    def _built(self) -> setup.Loop:
-        if self.loop is None:
-            raise RuntimeError("the run is built by fit() (or validate()); call it first")
-        return self.loop
 
     # -- the job and the run folder --------------------------------------------------------------
     def prepare(self, *, for_training: bool = True) -> Path:
@@ -227,8 +184,7 @@ class Trainer:
         if signum:
             saved = self.save(f"step_{self.state.global_step:06d}", wait=True) if loop.checkpointer else None
             where = f"checkpoint {saved}" if saved else "no checkpoint (trainer.enable_checkpointing=false)"
-            message = (f"interrupted at epoch {self.state.epoch + 1} step {self.state.global_step} ({where}); "
-                       f"continue with: {self._resume_command()}")
+            message = (f"interrupted at {position(self.state)}; {where}; continue with: {self._resume_command()}")
             if self.dist.is_main:
                 print(message, flush=True)
             raise Interrupted(signum, message)

@@ -56,7 +56,16 @@ class Task:
     def loss(self, outputs: Any, targets: Any) -> torch.Tensor:
         if self.criterion is None:
             raise ValueError("no loss given: pass loss=... to Trainer.fit or set it in the task")
-        return self.criterion(outputs, targets)
+        try:
+            return self.criterion(outputs, targets)
+        except torch.OutOfMemoryError:
+            raise
+        except (RuntimeError, ValueError, TypeError, IndexError) as err:  # a loss that does not fit the model
+            name = getattr(self.criterion, "__qualname__", None) or type(self.criterion).__name__
+            first = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+            raise ValueError(f"the loss {name} failed on model outputs {describe(outputs)} and targets "
+                             f"{describe(targets)}: {first}; give a loss that takes these (class ids: "
+                             "cross_entropy; values of the outputs' shape: mse_loss)") from err
 
     def evaluate_batch(self, model: nn.Module, inputs: Any, targets: Any) -> tuple[Any, torch.Tensor | None]:
         """Eval-mode outputs and the batch loss (None where the task has no eval loss)."""
@@ -97,3 +106,15 @@ class Task:
         from gputrain.tasks.draw import write_pictures
 
         return write_pictures(self, inputs, results, out, "reconstructions", ".png")
+
+
+def describe(value: Any) -> str:
+    """A batch's shape as an error names it: ``(8, 10) float32``, a tuple or dict of those."""
+    if isinstance(value, torch.Tensor):
+        return f"{tuple(value.shape)} {str(value.dtype).removeprefix('torch.')}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(describe(v) for v in value[:4]) + (", ..." if len(value) > 4 else "") + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {describe(v)}" for k, v in list(value.items())[:4]) + "}"
+    return type(value).__name__
+

@@ -17,8 +17,9 @@ from gputrain.parallel.partition import format_bytes
 from gputrain.tools.plan import memory
 from gputrain.tools.plan.budget import device_budget, parse_size
 from gputrain.tools.plan.plans import Plan, Planner, choose, micro_batch_count, why
-from gputrain.tools.plan.timing import block_shares, measure_step, measure_steps
+from gputrain.tools.plan.timing import Probe, block_shares, measure_step, measure_steps, timed_at
 from gputrain.tools.plan.workload import Workload
+from gputrain.tools.progress import Progress, Silent
 
 SPLIT = ("pipeline", "model_parallel")
 
@@ -70,14 +71,15 @@ def _check_devices(device: torch.device, devices: int) -> None:
 
 
 def make_report(cfg: RunConfig, *, devices: int, nnodes: int = 1, budget_text: str = "", only: str = "",
-                choice_only: bool = False) -> Report:
+                choice_only: bool = False, progress: Progress | None = None) -> Report:
     """Predict every plan for ``devices`` per node of ``nnodes`` nodes and choose one (``only``: that plan's label
     alone, e.g. ``ddp`` or ``pipeline-1f1b``, as doctor compares one).
 
     ``choice_only``: what choosing needs, about a third of the counting (``--strategy auto``, doctor's one plan):
     no largest batches (a second count of every plan at twice its batch), and activation checkpointing only for a
     strategy whose plain plan does not fit yet is at least as fast as the fastest that does (checkpointing makes a
-    plan slower, never faster). When nothing fits, the whole report: its line names the largest batch."""
+    plan slower, never faster). When nothing fits, the whole report: its line names the largest batch.
+    ``progress`` hears each stage (none by default: ``gputrain plan`` and ``--strategy auto`` pass theirs)."""
     from gputrain.config.resolve import resolve_precision
     from gputrain.strategies.fsdp import shard_units
 
@@ -89,6 +91,8 @@ def make_report(cfg: RunConfig, *, devices: int, nnodes: int = 1, budget_text: s
     source = "--memory-budget" if budget_text else ("free GPU memory" if device.type == "cuda" else "available RAM")
     g = global_batch(cfg, devices, nnodes)
     world = devices * nnodes
+    progress = progress or Silent()
+    progress.stage("reading a batch of the training data and building the model")
     work = Workload.from_config(cfg, device, precision)
     notes: list[str] = []
     has_bn = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in work.model.modules())
@@ -101,7 +105,15 @@ def make_report(cfg: RunConfig, *, devices: int, nnodes: int = 1, budget_text: s
     if device.type == "cuda":
         while memory.step_memory(work, probe_batch).peak > budget and probe_batch > 1:
             probe_batch //= 2
-    probe = measure_steps(work, probe_batch)
+    timed, pixels = timed_at(work)  # on a CPU, large images: the fixed part and checkpointing's cost timed smaller
+    size = "" if pixels == 1 else f" at {timed.cfg.data.image_size} px a side, and one at the run's size"
+    progress.stage(f"timing training steps at batch {probe_batch} and {2 * probe_batch}{size}")
+    measured = measure_steps(timed, probe_batch)
+    if pixels > 1:  # one step at the run's size gives the per-sample time: it is not linear in pixels on a CPU
+        measured_here = measure_step(work, 2 if has_bn else 1)
+        probe = measured.with_step_at_size(measured_here)
+    else:
+        probe = measured
     if probe.cuda_peak_bytes:
         overhead = max(probe.cuda_peak_bytes - memory.step_memory(work, probe_batch).peak, 0)
 
@@ -109,8 +121,11 @@ def make_report(cfg: RunConfig, *, devices: int, nnodes: int = 1, budget_text: s
     wanted = (lambda label: not only or only in (label, f"{label}+ac"))  # noqa: E731
     if world > 1 and nnodes == 1 and any(wanted(x) for x in SPLIT_PLANS):
         m = micro_batch_count(cfg.parallel.micro_batches, world, g, has_bn)
+        progress.stage("timing each block of the model, to split it into stages")
         try:
-            shares = block_shares(work, max(g // m, 1))
+            # Shares at the run's own size (which blocks cost most shifts with the image size, and the split with
+            # it); one sample where the step was timed smaller, since a block's share hardly moves with the batch.
+            shares = block_shares(work, max(g // m, 1) if pixels == 1 else 1)
             split = _split_indices(cfg, shares, world)
         except ValueError as err:
             notes.append(f"no pipeline or model_parallel plan: {err}")
@@ -126,20 +141,22 @@ def make_report(cfg: RunConfig, *, devices: int, nnodes: int = 1, budget_text: s
             labels += ["ddp", "fsdp"]
         if split is not None:
             labels += SPLIT_PLANS
-    plans = [_attempt(lambda x=x: _predict(planner, x, split), notes) for x in labels if not only or only == x]
+    labels = [x for x in labels if not only or only == x]
+    progress.total = progress.done + len(labels) + (1 + len(labels) if labels else 0)  # at most: +ac follow
+    plans = [_attempt(lambda x=x: _predict(planner, x, split), notes, progress, x) for x in labels]
     checkpointed = [x for x in labels if not only or only == f"{x}+ac"]
     if choice_only:
         fastest = choose([p for p in plans if p is not None])
         checkpointed = [p.label for p in plans if p is not None and p.label in checkpointed and not p.fits_with_margin
                         and (fastest is None or p.step_s <= fastest.step_s)]
-    plans += _checkpointed_plans(planner, checkpointed, probe_batch, notes, split)
+    plans += _checkpointed_plans(planner, checkpointed, (timed, measured), notes, split, progress)
     found = [p for p in plans if p is not None]
     notes += sorted(work.notes)
     if not found:
         raise ValueError(f"no plan could be predicted for {cfg.model.name or 'the model'}: {'; '.join(notes)}")
     chosen = choose(found)
     if choice_only and chosen is None:
-        return make_report(cfg, devices=devices, nnodes=nnodes, budget_text=budget_text, only=only)
+        return make_report(cfg, devices=devices, nnodes=nnodes, budget_text=budget_text, only=only, progress=progress)
     return Report(found, chosen, budget, source, str(device), precision, g, notes, time.perf_counter() - started)
 
 
@@ -156,11 +173,11 @@ def _predict(planner: Planner, label: str, split: list[int] | None) -> Plan:
     return getattr(planner, label)()  # type: ignore[no-any-return]
 
 
-def _checkpointed_plans(planner: Planner, labels: list[str], probe_batch: int, notes: list[str],
-                        split: list[int] | None) -> list[Plan | None]:
+def _checkpointed_plans(planner: Planner, labels: list[str], timed: tuple[Workload, Probe], notes: list[str],
+                        split: list[int] | None, progress: Progress) -> list[Plan | None]:
     """The plans ``labels`` again with ``trainer.activation_checkpointing=true``: memory counted on the checkpointed
     model (a pipeline stage recomputes its own blocks), time from the plain probe scaled by one measured
-    checkpointed step."""
+    checkpointed step of the workload ``timed`` measured plainly (its workload and probe)."""
     if not labels:
         return []
     try:
@@ -168,14 +185,18 @@ def _checkpointed_plans(planner: Planner, labels: list[str], probe_batch: int, n
     except ValueError as err:
         notes.append(f"no activation-checkpointing plans: {err}")
         return []
-    plain = planner.probe.step_s  # measured at the same batch
-    slower = measure_step(work, probe_batch).step_s / plain if plain > 0 else 1.0
+    timed_work, plain = timed
+    progress.stage("timing a training step with activation checkpointing", total=progress.done + 1 + len(labels))
+    slower = (measure_step(timed_work.checkpointed(), plain.batch_size).step_s / plain.step_s
+              if plain.step_s > 0 else 1.0)  # at the plain probe's batch and size
     ac = dataclasses.replace(planner, work=work, probe=planner.probe.scaled(max(slower, 1.0)))
-    return [_attempt(lambda x=x: dataclasses.replace(_predict(ac, x, split), activation_checkpointing=True), notes)
-            for x in labels]
+    return [_attempt(lambda x=x: dataclasses.replace(_predict(ac, x, split), activation_checkpointing=True), notes,
+                     progress, f"{x}+ac") for x in labels]
 
 
-def _attempt(predict: Any, notes: list[str]) -> Plan | None:
+def _attempt(predict: Any, notes: list[str], progress: Progress, label: str) -> Plan | None:
+    """One plan's prediction (memory counted on fake tensors), or None with a note when the model cannot run there."""
+    progress.stage(f"counting memory on fake tensors: {label}")
     try:
         return predict()  # type: ignore[no-any-return]
     except memory.UnprofilableModel as err:
@@ -230,7 +251,8 @@ def cmd_plan(cfg: RunConfig, *, recipe: str, devices: int, nnodes: int, budget_t
             Path(json_path).parent.mkdir(parents=True, exist_ok=True)
         except OSError as err:
             raise ValueError(f"--json {json_path}: cannot write there ({err.strerror}); give a writable path") from None
-    report = make_report(cfg, devices=devices, nnodes=nnodes, budget_text=budget_text)
+    with Progress("gputrain plan") as progress:
+        report = make_report(cfg, devices=devices, nnodes=nnodes, budget_text=budget_text, progress=progress)
     title = (f"gputrain plan: {recipe} on {devices * nnodes} x {report.device}, global batch {report.global_batch}, "
              f"precision {report.precision}, budget {format_bytes(report.budget)} per device ({report.budget_source})")
     print(format_report(report, title), flush=True)
@@ -241,7 +263,9 @@ def cmd_plan(cfg: RunConfig, *, recipe: str, devices: int, nnodes: int, budget_t
 
 def auto_overrides(cfg: RunConfig, *, devices: int, nnodes: int, budget_text: str) -> tuple[list[str], str]:
     """``--strategy auto``: the chosen plan as config overrides, and its one line; one line when none fits."""
-    report = make_report(cfg, devices=devices, nnodes=nnodes, budget_text=budget_text, choice_only=True)
+    with Progress("gputrain train --strategy auto", log_lines=False) as progress:
+        report = make_report(cfg, devices=devices, nnodes=nnodes, budget_text=budget_text, choice_only=True,
+                             progress=progress)
     if report.chosen is None:
         print(no_plan_line(report), file=sys.stderr, flush=True)
         raise SystemExit(2)

@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from gputrain.tools.plan import memory
+from gputrain.tools.plan import memory, split_memory
 from gputrain.tools.plan.memory import StepMemory
 from gputrain.tools.plan.timing import BlockShares, Probe, allreduce_s, send_s
 from gputrain.tools.plan.workload import Workload
@@ -156,7 +156,7 @@ class Planner:
         n, b = self.devices, self.global_batch // self.devices
 
         def at(k: int) -> StepMemory:
-            return memory.fsdp_memory(self.work, k, n, self.fsdp_units)
+            return split_memory.fsdp_memory(self.work, k, n, self.fsdp_units)
 
         mem = self._with_overhead(at(b))
         compute = self._compute_s(b)
@@ -173,7 +173,7 @@ class Planner:
         if self.device_type == "cpu" and strategy == "model_parallel":
             # Every stage is on the one CPU: one process holding all of them, the whole batch's activations alive.
             return [memory.step_memory(self.work, batch)]
-        stages = [memory.stage_memory(self.work, split, s, batch_size=batch, micro_batches=self.micro_batches,
+        stages = [split_memory.stage_memory(self.work, split, s, batch_size=batch, micro_batches=self.micro_batches,
                                       schedule=schedule or "gpipe") for s in range(self.devices)]
         if self.device_type == "cpu":  # a pipeline rank keeps the whole model object on the CPU, other stages too
             whole = sum(p.numel() * p.element_size() for p in self.work.model.parameters())

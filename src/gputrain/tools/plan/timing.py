@@ -14,6 +14,7 @@ rounding), added to every plan's prediction.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import statistics
 import time
 from dataclasses import dataclass
@@ -21,6 +22,12 @@ from dataclasses import dataclass
 import torch
 
 from gputrain.tools.plan.workload import Workload
+
+PROBE_SIDE = 128
+"""On a CPU, a run whose images are larger than this is timed mostly at this side (:func:`timed_at`): its steps at
+the plan's batches, which give the part of a step that no sample adds, and checkpointing's extra cost; one step at
+the run's own size (the smallest batch) then gives the per-sample time. A ResNet-50 step at 1024x1024 takes 10-60 s
+on 2 cores, and time is not linear in pixels there (docs/plan.md: benchmarks/plan_probe.py)."""
 
 LONG_STEP_S = 2.0
 """A warm-up step longer than this is followed by one timed step, not ``repeats``."""
@@ -43,9 +50,44 @@ class Probe:
     def step_at(self, samples: float) -> float:
         return self.fixed_s + self.per_sample_s * samples
 
+    def at_pixels(self, ratio: float) -> Probe:
+        """This probe scaled to samples of ``ratio`` times the pixels (the per-sample part only). Not what the plan
+        uses: on a CPU a step is not linear in pixels at large sizes (benchmarks/plan_probe.py keeps it to show it)."""
+        return Probe(self.batch_size, self.fixed_s + (self.step_s - self.fixed_s) * ratio, self.cuda_peak_bytes,
+                     self.fixed_s)
+
+    def with_step_at_size(self, step: Probe) -> Probe:
+        """This probe's fixed part (what a step costs whatever its batch and image size: the optimizer, launches),
+        with the per-sample time of ``step``, measured at the run's own image size."""
+        fixed = min(self.fixed_s, step.step_s)
+        return Probe(step.batch_size, step.step_s, step.cuda_peak_bytes, fixed)
+
     def scaled(self, factor: float) -> Probe:
         """The same probe for a step ``factor`` times as long (activation checkpointing's recomputed forward)."""
         return Probe(self.batch_size, self.step_s * factor, self.cuda_peak_bytes, self.fixed_s * factor)
+
+
+def timed_at(work: Workload) -> tuple[Workload, float]:
+    """The workload whose steps are timed, and how many times the run's pixels per sample exceed its own.
+
+    On a CPU, a run with ``data.image_size`` above :data:`PROBE_SIDE` is timed on the same recipe at that side, when
+    its inputs are one image tensor whose size follows ``data.image_size`` (a detection model resizes its inputs
+    itself, so it is timed as it runs). Elsewhere: the run itself, ratio 1. The plan's notes say which.
+    """
+    side = work.cfg.data.image_size
+    if work.device.type != "cpu" or not side or side <= PROBE_SIDE:
+        return work, 1.0
+    data = dataclasses.replace(work.cfg.data, image_size=PROBE_SIDE)
+    small = Workload.from_config(dataclasses.replace(work.cfg, data=data), work.device, work.precision)
+    full_x, small_x = work.batch(1)[0], small.batch(1)[0]
+    if not (isinstance(full_x, torch.Tensor) and isinstance(small_x, torch.Tensor) and full_x.dim() == 4
+            and full_x.shape[:2] == small_x.shape[:2] and full_x[0, 0].numel() > small_x[0, 0].numel()):
+        return work, 1.0
+    ratio = full_x[0, 0].numel() / small_x[0, 0].numel()
+    work.notes.add(f"step time from one step at {full_x.shape[-2]}x{full_x.shape[-1]} px, its fixed part and "
+                   f"activation checkpointing's cost from steps at {small_x.shape[-2]}x{small_x.shape[-1]} "
+                   "(a CPU probe, docs/plan.md)")
+    return dataclasses.replace(small, notes=work.notes), ratio
 
 
 def measure_steps(work: Workload, batch_size: int) -> Probe:

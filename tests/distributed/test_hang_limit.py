@@ -1,0 +1,61 @@
+"""A hang is a failure: two ranks that wait for each other fail their test at its limit, with both ranks' stacks.
+
+The test runs pytest on a small test file whose two gloo ranks deadlock (each waits to receive from the other), with
+a limit of a few seconds, and checks what a developer would read: the failed test named, the limit, and each rank's
+stack at the line it waited on.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+TESTS = Path(__file__).resolve().parent.parent
+
+DEADLOCK = '''
+import torch
+import torch.distributed as dist
+import pytest
+
+from multiproc import run_ranks
+
+
+def wait_for_the_other_rank(info):
+    # Each rank waits to receive from the other before it sends: neither ever sends.
+    buffer = torch.zeros(1)
+    dist.recv(buffer, src=1 - info.rank)
+    dist.send(buffer, dst=1 - info.rank)
+
+
+@pytest.mark.timeout({limit})
+def test_two_ranks_wait_for_each_other():
+    run_ranks(wait_for_the_other_rank, timeout_s=600)
+'''
+
+
+# About 30 s by design: it waits for its inner test's limit (LIMIT_S), which must leave the ranks time to start.
+@pytest.mark.timeout(150)
+def test_a_deadlock_between_two_ranks_fails_at_the_limit_with_both_stacks(tmp_path):
+    limit_s = 20
+    (tmp_path / "test_deadlock.py").write_text(textwrap.dedent(DEADLOCK.format(limit=limit_s)))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONFAULTHANDLER"}  # tests/hangs.py must set it
+    env["PYTHONPATH"] = os.pathsep.join([str(TESTS), env.get("PYTHONPATH", "")])
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "hangs", "-o", "timeout_method=signal",
+         "--rootdir", str(tmp_path), "-c", os.devnull, str(tmp_path / "test_deadlock.py")],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=140)
+    seconds = time.monotonic() - start
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 1, output[-3000:]
+    assert seconds < limit_s + 60, f"took {seconds:.0f} s for a limit of {limit_s} s"
+    assert "FAILED" in output and "test_deadlock.py::test_two_ranks_wait_for_each_other" in output, output[-3000:]
+    assert f"ran past its limit of {limit_s} s" in output, output[-3000:]
+    # each rank's own stack, at the receive it waited in
+    assert output.count("in wait_for_the_other_rank") >= 2, output[-5000:]

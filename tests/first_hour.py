@@ -1,0 +1,71 @@
+"""Shared by the first-hour tests (tests/e2e/test_first_hour*.py): the tiny run's flags, a user model file, a
+core install, and ways to run ``gputrain`` (a real process, or ``gputrain.cli.main`` in this process).
+
+A core install (``pip install gputrain``, no extras) is made by a ``sitecustomize.py`` (:data:`CORE_ONLY`) that hides
+the optional packages from the path finder.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from gputrain.cli import main
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true", "PYTHONUNBUFFERED": "1"}
+TINY = ("--devices", "1", "--accelerator", "cpu", "--epochs", "1", "--batch-size", "4", "trainer.progress_bar=false",
+        "model.name=first_hour_models:tiny_ae", "model.kwargs.width=4")  # width 4: not the builder's default 8
+
+MODELS = '''
+from torch import nn
+
+def tiny_ae(width: int = 8) -> nn.Module:
+    return nn.Sequential(nn.Conv2d(3, width, 3, padding=1), nn.ReLU(), nn.Conv2d(width, 3, 3, padding=1))
+'''
+
+# A core install (`pip install gputrain`, no extras), made here by hiding the optional packages from the
+# path finder: find_spec returns None and imports fail exactly as for a package that is not installed.
+CORE_ONLY = '''
+import sys
+from importlib.machinery import PathFinder
+
+BLOCKED = {"tensorboard", "wandb", "onnx", "onnxruntime", "onnxscript", "pycocotools", "matplotlib"}
+
+
+class _CoreOnly(PathFinder):
+    @classmethod
+    def find_spec(cls, name, path=None, target=None):
+        if name.split(".")[0] in BLOCKED:
+            return None
+        return PathFinder.find_spec(name, path, target)
+
+
+sys.meta_path[:] = [_CoreOnly if finder is PathFinder else finder for finder in sys.meta_path]
+'''
+
+
+def gputrain(*args: str, cwd: Path, core_only: Path | None = None) -> subprocess.CompletedProcess:
+    env = dict(ENV)
+    if core_only is not None:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(core_only), env.get("PYTHONPATH", "")) if p)
+    return subprocess.run([sys.executable, "-m", "gputrain", *args], capture_output=True, text=True, env=env,
+                          cwd=cwd, timeout=600)
+
+
+def cli(capsys, *args: str) -> tuple[int, str, str]:
+    """``gputrain ARGS`` in this process: (exit code, stdout, stderr)."""
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def one_error_line(err: str) -> str:
+    lines = err.strip().splitlines()
+    assert "Traceback" not in err and len(lines) == 1 and lines[0].startswith("gputrain: error: "), err
+    return lines[0]
+
+
+def listing(folder: Path) -> dict[str, int]:
+    return {str(p.relative_to(folder)): p.stat().st_mtime_ns for p in sorted(folder.rglob("*"))}
