@@ -62,9 +62,12 @@ def cli(capsys, *args: str) -> tuple[int, str, str]:
 
 
 def one_error_line(err: str) -> str:
+    """The one error line a failure ends in; before it, stderr may hold only a long tool's stage lines
+    (``gputrain bench scale: [1/2] ...``, tools/progress.py), never a traceback or another error."""
     lines = err.strip().splitlines()
-    assert "Traceback" not in err and len(lines) == 1 and lines[0].startswith("gputrain: error: "), err
-    return lines[0]
+    stages = [line for line in lines[:-1] if not line.startswith("gputrain bench scale: [")]
+    assert "Traceback" not in err and lines and not stages and lines[-1].startswith("gputrain: error: "), err
+    return lines[-1]
 
 
 def listing(folder: Path) -> dict[str, int]:

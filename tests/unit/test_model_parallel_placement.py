@@ -137,9 +137,8 @@ def test_bad_settings_fail_in_one_line():
     ({"parallel": ParallelConfig(schedule="1f1b", micro_batches=1)}, "parallel.schedule=1f1b needs parallel.micro_batches >= the 2 stages"),
     ({"trainer": TrainerConfig(precision="16-mixed")},
      "does not support trainer.precision=16-mixed, which `mixed` also means on a GPU without bfloat16"),
-    ({"trainer": TrainerConfig(sync_batchnorm=True)}, "trainer.sync_batchnorm=true does not apply"),
     ({"parallel": ParallelConfig(schedule="zb")}, "parallel.schedule='zb' is unknown"),
-], ids=["1f1b-few-micro-batches", "16-mixed", "sync-batchnorm", "unknown-schedule"])
+], ids=["1f1b-few-micro-batches", "16-mixed", "unknown-schedule"])
 def test_pipeline_refuses_settings_it_cannot_honour(override, message):
     cfg = RunConfig(**override)
     with pytest.raises(ValueError, match=message):
@@ -209,3 +208,23 @@ def test_micro_batches_of_one_sample_under_batchnorm_are_refused_before_training
     strategy.check_batch(batch, _net())  # no BatchNorm: a sample per micro-batch is enough
     model.eval()
     strategy.check_batch(batch, model)  # BatchNorm that does not train (frozen): fine too
+
+
+def test_micro_batches_over_batchnorm_say_at_start_what_they_train(capsys):
+    """issue 43 item 3: micro-batches normalise BatchNorm per micro-batch (as GPipe): one line says so, and what the
+    run equals instead; a model without BatchNorm, or one micro-batch, hears nothing."""
+    norm = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.ReLU())
+    _strategy(devices=["cpu", "cpu"], micro=4, batch=16).check_batch(16, norm)
+    line = capsys.readouterr().out.strip()
+    assert line == ("gputrain: model_parallel: BatchNorm (1 and 0 more) normalises each of the 4 micro-batches "
+                    "(4+4+4+4 samples) with its own statistics, so this trains what single trains with "
+                    "trainer.accumulate_grad_batches=4, not single at batch 16; parallel.micro_batches=1 or a model "
+                    "without BatchNorm trains the same model as single (docs/strategies.md)")
+    _strategy(devices=["cpu", "cpu"], micro=4, batch=16).check_batch(16, torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3)))
+    _strategy(devices=["cpu", "cpu"], micro=1, batch=16).check_batch(16, norm)
+    assert capsys.readouterr().out == ""
+
+
+def test_pipeline_accepts_sync_batchnorm_so_one_recipe_runs_at_every_scale():
+    cfg = RunConfig(trainer=TrainerConfig(sync_batchnorm=True))
+    strategy_class("pipeline").from_config(DistInfo(rank=0, world_size=2), cfg)  # no refusal

@@ -90,3 +90,12 @@ def test_every_documented_train_command_parses_as_each_tool():
             assert refusal == "" or refusal.startswith("--") and ("does not apply to gputrain" in refusal
                                                                   or "must be at least" in refusal), \
                 (where, command, refusal)
+
+
+def test_the_help_lists_every_command(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    listed = capsys.readouterr().out.split("commands:\n", 1)[1].split("\n\n", 1)[0]
+    names = {line.split()[0] for line in listed.splitlines() if line.startswith("  ") and not line.startswith("   ")}
+    assert names == {"train", "eval", "export", "predict", "report", "data", "bench", "parity", "doctor", "plan",
+                     "env"}

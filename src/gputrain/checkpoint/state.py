@@ -74,6 +74,18 @@ def checkpoint_state(parts: Parts, extra: dict[str, Any], sharded: str = "") -> 
     }
 
 
+def check_same_run(saved: dict[str, Any], task: str, model: str, path: str) -> None:
+    """A checkpoint of another task or model cannot be continued: said first, before any adjustment or optimizer
+    mismatch that would only follow from it. ``saved``: the config the checkpoint recorded (absent: not checked)."""
+    saved_task, saved_model = saved.get("task"), (saved.get("model") or {}).get("name")
+    if saved_task is None or (saved_task, saved_model or "") == (task, model or ""):
+        return
+    raise ValueError(
+        f"checkpoint {path} was trained by task {saved_task} with model {saved_model or '(the task default)'}, and "
+        f"this run is task {task} with model {model or '(the task default)'}: --resume continues the run that wrote "
+        "it; give that run's recipe (its config.yaml beside checkpoints/), or start a new run without --resume")
+
+
 def restore(parts: Parts, state: dict[str, Any], path: str) -> TrainState:
     """Load model (unless sharded: the caller loads its folder), optimizer, schedule, precision and this rank's RNG;
     returns where the run is. Every rank must reach the same step (a collective checks it)."""

@@ -94,14 +94,16 @@ def cmd_train(args: argparse.Namespace, argv: Sequence[str]) -> int:
     if is_worker():  # the launcher checked and resolved everything
         _run_train(cfg)
         return EXIT_OK
+    if cfg.trainer.resume and cfg.trainer.resume != "auto":
+        from gputrain.checkpoint.load import load_checkpoint
+        from gputrain.checkpoint.state import check_same_run
+
+        saved = load_checkpoint(cfg.trainer.resume)  # unreadable or truncated: one line naming the file, first
+        check_same_run(saved.get("config") or {}, str(cfg.task), cfg.model.name, cfg.trainer.resume)  # another run's
     planned = _plan_strategy(cfg, args) if cfg.trainer.strategy == "auto" else []
     cfg, extra = _prepare(cfg, args)
     extra = [*planned, *extra]
     t = cfg.trainer
-    if t.resume and t.resume != "auto":
-        from gputrain.checkpoint.load import load_checkpoint
-
-        load_checkpoint(t.resume)  # unreadable or truncated: one line naming the file, before any worker
     if not t.out and t.resume == "auto":
         raise ValueError("--resume auto continues a run folder: name it with --out (e.g. --out runs/latest)")
     if t.out:

@@ -218,9 +218,6 @@ def check_split_options(cfg: RunConfig, stages: int | None = None, strategy: str
             raise ValueError("strategy pipeline does not support trainer.precision=16-mixed, which `mixed` also means "
                              "on a GPU without bfloat16 (the loss scaler would skip steps on some stages only); use "
                              "bf16-mixed on a GPU that has it, or 32")
-        if t.sync_batchnorm and stages > 1:
-            raise ValueError("trainer.sync_batchnorm=true does not apply to strategy pipeline: each stage holds "
-                             "different layers and every stage sees the whole batch; set it to false")
         if p.schedule == "1f1b" and p.micro_batches < stages:
             raise ValueError(f"parallel.schedule=1f1b needs parallel.micro_batches >= the {stages} stages; got "
                              f"{p.micro_batches}: add parallel.micro_batches={stages} (or use parallel.schedule=gpipe)")

@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from gputrain.checkpoint.checkpointer import Checkpointer, non_finite_error, resume_from
-from gputrain.checkpoint.state import Parts, TrainState, all_finite, restore, resumed_line
+from gputrain.checkpoint.state import Parts, TrainState, all_finite, check_same_run, restore, resumed_line
 from gputrain.checkpoint.store import CheckpointStore
 from gputrain.config.resolve import Facts, FastPath, resolve_run, usable_cores
 from gputrain.config.schema import RunConfig
@@ -124,7 +124,13 @@ def build_training(loop: Loop, train_data: Dataset, val_data: Dataset | None, ou
     cfg, dist, strategy = loop.cfg, loop.dist, loop.strategy
     t = cfg.trainer
     model = loop.module
-    if t.sync_batchnorm and dist.world_size > 1:
+    if t.sync_batchnorm and dist.world_size > 1 and strategy.dp_size == 1:
+        # One recipe at every scale: a pipeline's ranks hold different layers, each stage's BatchNorm already sees
+        # every sample of its micro-batches on its own rank: there are no replicas to synchronise.
+        if dist.is_main:
+            print(f"gputrain: trainer.sync_batchnorm=true has nothing to synchronise under strategy {strategy.name} "
+                  "(no data-parallel replicas; each BatchNorm runs on one rank): BatchNorm is left as it is", flush=True)
+    elif t.sync_batchnorm and dist.world_size > 1:
         from gputrain.nn.sync_batchnorm import convert_sync_batchnorm
 
         model = convert_sync_batchnorm(model, dist.device.type)
@@ -162,7 +168,10 @@ def find_resume(cfg: RunConfig, dist: DistInfo, out: Path) -> dict[str, Any] | N
     if not t.resume:
         return None
     store = CheckpointStore(out / "checkpoints", keep_last=t.keep_last, monitor=t.monitor, monitor_mode=t.monitor_mode)
-    return resume_from(t.resume, store, dist)
+    found = resume_from(t.resume, store, dist)
+    if found is not None:
+        check_same_run(found.get("config") or {}, str(cfg.task), cfg.model.name, str(found.get("_path", t.resume)))
+    return found
 
 
 def restore_training(loop: Loop, resume: dict[str, Any]) -> tuple[TrainState, dict[str, float] | None]:

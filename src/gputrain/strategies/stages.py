@@ -242,6 +242,8 @@ class StagedStrategy(Strategy):
         check_micro_batches(batch_size, m)
         norms = [name for name, module in (model.named_modules() if model is not None else [])
                  if isinstance(module, torch.nn.modules.batchnorm._BatchNorm) and module.training]
+        if norms and m > 1 and min(micro_batch_sizes(batch_size, m)) > 1:
+            self._announce_micro_batch_norm(norms, batch_size, m)
         if not norms or min(micro_batch_sizes(batch_size, m)) > 1:
             return
         fits = [k for k in range(m - 1, 0, -1)  # the most micro-batches that all hold 2 samples or more
@@ -250,6 +252,15 @@ class StagedStrategy(Strategy):
         raise ValueError(f"parallel.micro_batches={m} cuts trainer.batch_size={batch_size} into micro-batches of "
                          f"{'+'.join(map(str, micro_batch_sizes(batch_size, m)))} samples, and the model's BatchNorm "
                          f"({norms[0]} and {len(norms) - 1} more) cannot train on a micro-batch of 1 sample; {fix}")
+
+    def _announce_micro_batch_norm(self, norms: list[str], batch_size: int, m: int) -> None:
+        """One line at start: micro-batches change what BatchNorm computes, as in any GPipe-style pipeline."""
+        if self.dist.is_main:
+            sizes = "+".join(map(str, micro_batch_sizes(batch_size, m)))
+            print(f"gputrain: {self.name}: BatchNorm ({norms[0]} and {len(norms) - 1} more) normalises each of the {m} "
+                  f"micro-batches ({sizes} samples) with its own statistics, so this trains what single trains with "
+                  f"trainer.accumulate_grad_batches={m}, not single at batch {batch_size}; parallel.micro_batches=1 "
+                  "or a model without BatchNorm trains the same model as single (docs/strategies.md)", flush=True)
 
     def compile_module(self, module: torch.nn.Module, mode: str) -> None:
         """Each stage is compiled on its own device, when the first batch places it (``compile_mode`` of the wrapper)."""

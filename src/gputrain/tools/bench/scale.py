@@ -20,6 +20,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from gputrain.tools.progress import Progress
+
 
 @dataclass
 class ScaleRow:
@@ -198,8 +200,10 @@ def scale_bench(recipe: str, *, devices: list[int], batch_sizes: list[int], out:
     out = _out_folder(out, overwrite)
     print(f"bench scale: every run has {threads} threads per process (OMP_NUM_THREADS={threads})", flush=True)
     rows: list[ScaleRow] = []
+    progress = Progress("gputrain bench scale", len(devices) * len(batch_sizes))
     for d in devices:
         for b in batch_sizes:
+            progress.stage(f"training --devices {d} --batch-size {b} for {epochs} epochs")
             run = out / f"devices{d}_batch{b}"
             cmd, env = run_command(recipe, d, b, epochs=epochs, out=run, accelerator=accelerator, threads=threads,
                                    overrides=overrides)
@@ -216,6 +220,7 @@ def scale_bench(recipe: str, *, devices: list[int], batch_sizes: list[int], out:
                 images_per_s=steady_throughput(run / "metrics.jsonl"), threads=threads,
             ))
             print(f"devices={d} batch={b}: {rows[-1].images_per_s:.0f} images/s", flush=True)
+    progress.close()
     add_speedup(rows)
     table = markdown_table(rows)
     (out / "scale.json").write_text(strict_json([asdict(r) for r in rows], indent=2))

@@ -21,6 +21,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from gputrain.tools.progress import Progress
+
 PEAK_FLOPS = {"H100": {"bf16": 989e12, "fp32": 67e12}, "H200": {"bf16": 989e12, "fp32": 67e12},
               "A100": {"bf16": 312e12, "fp32": 19.5e12}}
 """Dense peak FLOP/s by GPU name (NVIDIA's data sheets, SXM parts, without sparsity); utilisation is reported
@@ -126,8 +128,11 @@ def flops_per_image(recipe: str, overrides: list[str]) -> float | None:
 
 def bench_throughput(recipe: str, *, epochs: int, out: Path, overrides: list[str]) -> tuple[Throughput, list[str]]:
     """The figures of the two runs, and the cautions that go with them."""
-    real_summary, real = _run(recipe, out / "real", overrides, epochs=epochs, synthetic=False)
-    synth_summary, synth = _run(recipe, out / "synthetic", overrides, epochs=epochs, synthetic=True)
+    with Progress("gputrain bench throughput", 2) as progress:
+        progress.stage(f"training {epochs} epochs on the real data")
+        real_summary, real = _run(recipe, out / "real", overrides, epochs=epochs, synthetic=False)
+        progress.stage(f"training {epochs} epochs on synthetic data (no input pipeline)")
+        synth_summary, synth = _run(recipe, out / "synthetic", overrides, epochs=epochs, synthetic=True)
     (real_ips, real_n), (synth_ips, synth_n) = steady(real, "train/images_per_s"), steady(synth, "train/images_per_s")
     real_ips, synth_ips = real_ips or 0.0, synth_ips or 0.0
     flops = flops_per_image(recipe, overrides)

@@ -29,6 +29,7 @@ from gputrain.tools.diagnose import doctor_checks, plan_check, probes
 from gputrain.tools.diagnose.doctor_checks import DoctorReport
 from gputrain.tools.diagnose.outcome import RankOutcome, append_record, open_records
 from gputrain.tools.diagnose.ranks import run_on_ranks
+from gputrain.tools.progress import Progress, Silent
 
 
 class DoctorHook(Hook):
@@ -160,16 +161,18 @@ def choose_devices(cfg: RunConfig, devices: int | None) -> tuple[int, str]:
 
 
 def run_doctor(cfg: RunConfig, *, devices: int | None = None, steps: int = 3, timeout_s: float = 60.0,
-               recipe: str = "", env: dict[str, str] | None = None) -> DoctorReport:
+               recipe: str = "", env: dict[str, str] | None = None, announce: bool = False) -> DoctorReport:
     """Dry-run ``cfg`` on real ranks and return the findings (see :mod:`gputrain.tools.doctor_checks`).
 
-    ``env`` adds environment variables for the ranks.
+    ``env`` adds environment variables for the ranks; ``announce``: say each stage on stderr (the command does).
     """
     if steps < 1:
         raise ValueError(f"--steps {steps} must be at least 1")
     world, accelerator = choose_devices(cfg, devices)
+    progress = Progress("gputrain doctor", 2) if announce else Silent()
     with tempfile.TemporaryDirectory(prefix="gputrain-doctor-") as tmp:
         out = str(Path(tmp) / "run")
+        progress.stage(f"dry run: 2 epochs of {steps} steps on {world} {accelerator} ranks, every check recording")
         start = time.perf_counter()
         outcomes = run_on_ranks(_doctor_rank, cfg, steps, out, timeout_s, devices=world, accelerator=accelerator,
                                 timeout_s=timeout_s, env=env)
@@ -178,7 +181,10 @@ def run_doctor(cfg: RunConfig, *, devices: int | None = None, steps: int = 3, ti
         measured = json.loads(memory.read_text())["ranks"] if memory.is_file() else None
     # Planned after the ranks ended, so that its timing steps do not share the machine with them.
     options = dry_run_options(cfg, world_size=world, steps=steps, out=out, timeout_s=timeout_s, accelerator=accelerator)
+    if measured:
+        progress.stage("planning the same run (gputrain plan) to compare with what the dry run measured")
     plan = plan_check.predict(cfg, options, world, plan_check.trained_batch(outcomes)) if measured else None
+    progress.close()
     report = analyse(cfg, outcomes, world_size=world, accelerator=accelerator, steps=steps, wall_s=wall, recipe=recipe)
     if plan is not None:
         report.findings.append(plan_check.check_plan(plan, measured, outcomes))
@@ -187,7 +193,8 @@ def run_doctor(cfg: RunConfig, *, devices: int | None = None, steps: int = 3, ti
 
 def cmd_doctor(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
     cfg = load_config(args.recipe, list(args.overrides))
-    report = run_doctor(cfg, devices=args.devices, steps=args.steps, timeout_s=args.timeout, recipe=args.recipe)
+    report = run_doctor(cfg, devices=args.devices, steps=args.steps, timeout_s=args.timeout, recipe=args.recipe,
+                        announce=True)
     print(json.dumps(report.to_dict(), indent=2) if args.json else report.format())
     return 1 if report.failed else 0
 

@@ -15,10 +15,8 @@ pipeline        2          G (one stage a rank)   stage split, micro-batches, lo
 fsdp            2          G/2                    sharded parameters and their gather
 model_parallel  1          G                      stages on several devices
 ==============  =========  =====================  ====================================
-
-Modes whose strategy is not available here (:func:`gputrain.strategies.available`) are skipped
-and listed as such. :mod:`gputrain.tools.parity_compare` compares each mode with ``single``
-and names the cause of a difference.
+Unavailable strategies' modes are skipped and listed; :mod:`gputrain.tools.parity_compare` compares each mode with
+``single`` and names the cause of a difference.
 """
 
 from __future__ import annotations
@@ -45,8 +43,15 @@ from gputrain.engine.hooks import Hook, RunContext
 from gputrain.strategies import processes_per_node, strategy_class
 from gputrain.tools.diagnose import MODE_NAMES, probes
 from gputrain.tools.diagnose.outcome import append_record
-from gputrain.tools.diagnose.parity_compare import ModeResult, ParityReport, compare
-from gputrain.tools.diagnose.ranks import STOP_PEERS, flight_recorder_last, one_line, run_on_ranks
+from gputrain.tools.diagnose.parity_compare import ModeResult, ParityReport, collect_outcomes, compare
+from gputrain.tools.diagnose.ranks import (
+    STOP_PEERS,
+    flight_recorder_last,
+    named_timeout,
+    one_line,
+    run_on_ranks,
+)
+from gputrain.tools.progress import Progress, Silent
 
 
 @dataclass(frozen=True)
@@ -171,18 +176,29 @@ def run_mode(build: Callable[[], Any], cfg: RunConfig, mode: Mode, *, global_bat
 def _parity_ranks(info: DistInfo, build: Callable[[], Any], cfg: RunConfig, modes: list[Mode], kwargs: dict[str, Any],
                   mode_hooks: dict[str, list[Hook]]) -> dict[str, Any]:
     """The multi-process modes, one after another in the same ranks; stops at the first that fails."""
+    from gputrain.dist import comm
+
     done: dict[str, Any] = {}
+    previous = ""
     for mode in modes:
         append_record({"kind": "start", "mode": mode.name})
         try:
+            try:  # every rank has finished the mode before: none races into this one's collectives (a slow rank
+                comm.barrier()  # still ending ddp made a fast one fail in pipeline's, and ddp took the blame)
+            except Exception as err:
+                raise TimeoutError(f"every rank had not finished mode {previous} within {kwargs['timeout_s']:.0f} s "
+                                   f"of this one ({one_line(err)[:120]})") from err
             done[mode.name] = {"ok": True, **run_mode(build, cfg, mode, hooks=mode_hooks.get(mode.name, ()),
                                                       out=f"{kwargs['out']}/{mode.name}", **{k: v for k, v in
                                                       kwargs.items() if k != "out"})}
         except Exception as err:  # noqa: BLE001 (reported per mode; a broken process group ends the rest)
-            done[mode.name] = {"ok": False, "error": one_line(err), "last_collective": flight_recorder_last()}
+            done[mode.name] = {"ok": False, "error": named_timeout(err, kwargs["timeout_s"]),
+                               "last_collective": flight_recorder_last()}
             done[STOP_PEERS] = True  # a peer may wait in a collective of this mode: stop it now
             break
+        previous = mode.name
     return done
+
 
 
 def _resolve_modes(names: Sequence[str]) -> tuple[list[Mode], dict[str, str]]:
@@ -206,7 +222,7 @@ def _accelerator(cfg: RunConfig) -> str:
 def check_parity(build: Callable[[], Any], cfg: RunConfig | None = None, *, modes: Sequence[str] = tuple(MODES),
                  global_batch: int | None = None, steps: int = 2, epochs: int = 2, tol: float = 1e-5,
                  timeout_s: float = 60.0, dtype: str = "float64", mode_hooks: dict[str, list[Hook]] | None = None,
-                 name: str = "") -> ParityReport:
+                 name: str = "", progress: Progress | None = None) -> ParityReport:
     """Run ``build``'s task in each mode for ``steps`` optimizer steps a epoch over ``epochs`` epochs; compare with single.
 
     ``build()`` returns a :class:`~gputrain.tasks.spec.TaskSpec` (model, train data, task); it must be a
@@ -234,14 +250,23 @@ def check_parity(build: Callable[[], Any], cfg: RunConfig | None = None, *, mode
     with tempfile.TemporaryDirectory(prefix="gputrain-parity-") as tmp:
         kwargs = dict(global_batch=g, steps=steps, epochs=epochs, out=tmp, accelerator=accelerator,
                       timeout_s=timeout_s, dtype=dtype)
+        progress = progress or Silent()
+        progress.total = len(run)
         for mode in [m for m in run if m.processes == 1]:
+            progress.stage(f"mode {mode.name}: {steps} steps x {epochs} epochs in this process")
             results[mode.name] = _in_process(build, cfg, mode, kwargs, (mode_hooks or {}).get(mode.name, ()))
         pending = [m for m in run if m.processes > 1]
-        while pending:
+        launch = 0
+        while pending:  # each launch in a folder of its own: a mode retried after another failed starts clean
+            launch += 1
+            kwargs["out"] = f"{tmp}/launch{launch}"
+            progress.stage(f"mode{'s' if len(pending) > 1 else ''} {', '.join(m.name for m in pending)}: on "
+                           f"{max(m.processes for m in pending)} ranks, one after another",
+                           total=progress.done + len(pending))
             outcomes = run_on_ranks(_parity_ranks, build, cfg, pending, kwargs, mode_hooks or {},
                                     devices=max(m.processes for m in pending), accelerator=accelerator,
                                     timeout_s=timeout_s)
-            finished = _collect(outcomes, pending, results)
+            finished = collect_outcomes(outcomes, pending, results)
             pending = pending[finished:]
     wall = time.perf_counter() - start
     if not name:
@@ -265,24 +290,11 @@ def _in_process(build: Callable[[], Any], cfg: RunConfig, mode: Mode, kwargs: di
         torch.set_num_threads(threads)
 
 
-def _collect(outcomes: list[Any], pending: list[Any], results: dict[str, ModeResult]) -> int:
-    """Fold one launch's outcomes into ``results``; returns how many pending modes it settled."""
-    settled = 0
-    for mode in pending:
-        per_rank = [o.value.get(mode.name) if o.ok and isinstance(o.value, dict) else None for o in outcomes]
-        if all(v is not None and v["ok"] for v in per_rank):
-            results[mode.name] = ModeResult.from_ranks(mode.name, [v for v in per_rank if v is not None], dp=mode.dp)
-            settled += 1
-            continue
-        results[mode.name] = ModeResult.failed(mode.name, outcomes, per_rank)
-        return settled + 1
-    return settled
-
-
 def cmd_parity(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
     cfg = load_config(args.recipe, list(args.overrides))
-    report = check_parity(functools.partial(build_from_config, cfg), cfg, modes=args.modes,
-                          global_batch=args.global_batch, steps=args.steps, epochs=args.epochs, tol=args.tol,
-                          timeout_s=args.timeout, dtype=args.dtype, name=args.recipe)
+    with Progress("gputrain parity") as progress:
+        report = check_parity(functools.partial(build_from_config, cfg), cfg, modes=args.modes,
+                              global_batch=args.global_batch, steps=args.steps, epochs=args.epochs, tol=args.tol,
+                              timeout_s=args.timeout, dtype=args.dtype, name=args.recipe, progress=progress)
     print(json.dumps(report.to_dict(), indent=2) if args.json else report.format())
     return 1 if report.failed else 0

@@ -172,6 +172,14 @@ def _sample_cause(mode: ModeResult, ref: ModeResult, epochs: int) -> tuple[str, 
     return "same", ""
 
 
+def scaled_difference(a: torch.Tensor, reference: torch.Tensor) -> float:
+    """max |a - reference| / max(1, |reference|): absolute for weights (values near 1 or less), relative for large
+    buffers, so a BatchNorm running variance in the hundreds is judged to its own size, not to the tolerance of a
+    weight (float rounding leaves 1e-4 there, 1e-7 of its size)."""
+    ref = reference.double()
+    return float(((a.double() - ref).abs() / ref.abs().clamp(min=1.0)).max())
+
+
 def compare_mode(mode: ModeResult, ref: ModeResult, *, processes: int, batch: str, micro_batched: bool, epochs: int,
                  tol: float) -> Row:
     row = Row(mode.name, "PASS", processes=processes, batch=batch)
@@ -188,7 +196,7 @@ def compare_mode(mode: ModeResult, ref: ModeResult, *, processes: int, batch: st
     common = sorted(set(mode.state) & set(ref.state))
     row.key_mismatch = sorted(set(mode.state) ^ set(ref.state))
     # Floating-point entries only: BatchNorm's num_batches_tracked counts forwards, which micro-batching multiplies.
-    diffs = {k: float((mode.state[k].double() - ref.state[k].double()).abs().max()) for k in common
+    diffs = {k: scaled_difference(mode.state[k], ref.state[k]) for k in common
              if mode.state[k].shape == ref.state[k].shape and mode.state[k].numel()
              and mode.state[k].is_floating_point()}
     row.weight_diff = max(diffs.values(), default=0.0)
@@ -247,3 +255,17 @@ def compare(results: dict[str, ModeResult], skipped: dict[str, str], order: list
                                      micro_batched=mode.micro_batched, epochs=epochs, tol=tol))
     return ParityReport(name=name, global_batch=global_batch, steps=steps, epochs=epochs, tol=tol, wall_s=wall_s,
                         rows=rows)
+
+
+def collect_outcomes(outcomes: list[Any], pending: list[Any], results: dict[str, ModeResult]) -> int:
+    """Fold one launch's outcomes into ``results``; returns how many pending modes it settled."""
+    settled = 0
+    for mode in pending:
+        per_rank = [o.value.get(mode.name) if o.ok and isinstance(o.value, dict) else None for o in outcomes]
+        if all(v is not None and v["ok"] for v in per_rank):
+            results[mode.name] = ModeResult.from_ranks(mode.name, [v for v in per_rank if v is not None], dp=mode.dp)
+            settled += 1
+            continue
+        results[mode.name] = ModeResult.failed(mode.name, outcomes, per_rank)
+        return settled + 1
+    return settled

@@ -98,6 +98,15 @@ def one_line(err: BaseException) -> str:
     return f"{type(err).__name__}: {text[:400]}"
 
 
+def named_timeout(err: BaseException, timeout_s: float) -> str:
+    """A rank's error line; a collective that waited out the process group's timeout is named as a timeout."""
+    line = one_line(err)
+    if isinstance(err, TimeoutError) or "timed out" in line.lower() or "timeout" in line.lower():
+        return (f"timed out after {timeout_s:.0f} s waiting for another rank ({line[:200]}); a rank that slow is "
+                f"usually a busy machine: raise --timeout (now {timeout_s:.0f} s)")
+    return line
+
+
 def _rank_main(body: Callable[..., Any], args: tuple[Any, ...], accelerator: str, timeout_s: float, watchdog_s: float,
                folder: str) -> None:
     torch.set_num_threads(1)

@@ -16,7 +16,7 @@ from gputrain.config import RunConfig
 from gputrain.parallel.partition import format_bytes
 from gputrain.tools.plan import memory
 from gputrain.tools.plan.budget import device_budget, parse_size
-from gputrain.tools.plan.plans import Plan, Planner, choose, micro_batch_count, why
+from gputrain.tools.plan.plans import Plan, Planner, choose, fits_cell, micro_batch_count, why
 from gputrain.tools.plan.timing import Probe, block_shares, measure_step, measure_steps, timed_at
 from gputrain.tools.plan.workload import Workload
 from gputrain.tools.progress import Progress, Silent
@@ -124,16 +124,16 @@ def make_report(cfg: RunConfig, *, devices: int, nnodes: int = 1, budget_text: s
         progress.stage("timing each block of the model, to split it into stages")
         try:
             # Shares at the run's own size (which blocks cost most shifts with the image size, and the split with
-            # it); one sample where the step was timed smaller, since a block's share hardly moves with the batch.
-            shares = block_shares(work, max(g // m, 1) if pixels == 1 else 1)
+            # it); where images are large (timed smaller), one sample once: a share hardly moves with the batch.
+            shares = block_shares(work, max(g // m, 1)) if pixels == 1 else block_shares(work, 1, repeats=1)
             split = _split_indices(cfg, shares, world)
         except ValueError as err:
             notes.append(f"no pipeline or model_parallel plan: {err}")
     elif nnodes > 1:
         notes.append("pipeline and model_parallel plans are for one node; --nnodes > 1 plans ddp and fsdp")
     planner = Planner(work, world, g, budget, probe, shares, m, fsdp_units=shard_units(work.model),
-                      cuda_overhead=overhead, largest=not choice_only)
-    labels = ["single"]
+                      cuda_overhead=overhead, largest=not choice_only, nodes=nnodes)
+    labels = ["single"] if nnodes == 1 else []  # one device is one node's job: on K nodes, every node starts ranks
     if world > 1:
         if g % world:
             notes.append(f"no ddp or fsdp plan: the global batch {g} does not divide over {world} devices")
@@ -222,7 +222,7 @@ def format_report(report: Report, title: str) -> str:
         rows.append((p.label, str(p.devices), str(p.batch_size), str(p.micro_batches) if p.micro_batches > 1 else "-",
                      ",".join(p.split_points) or "-", *(format_bytes(v) for v in worst.as_dict().values()),
                      format_bytes(p.peak), f"{p.step_s * 1e3:.0f} ms", f"{p.images_per_s:.1f}",
-                     "yes" if p.fits else "NO", str(p.max_global_batch)))
+                     fits_cell(p), str(p.max_global_batch)))
     widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
     lines = [title] + ["  ".join(x.ljust(w) if c < 5 else x.rjust(w) for c, (x, w) in enumerate(zip(r, widths,
                                                                                                strict=True)))
@@ -230,7 +230,8 @@ def format_report(report: Report, title: str) -> str:
     lines += [f"  {p.label} per stage: " + ", ".join(format_bytes(m.peak) for m in p.per_device)
               for p in report.plans if len({m.peak for m in p.per_device}) > 1]
     lines += [f"note: {n}" for n in report.notes]
-    lines.append(f"chosen: {why(report.chosen, report.plans)}" if report.chosen else no_plan_line(report))
+    if report.chosen:  # none: the command ends in its one error line (cmd_plan)
+        lines.append(f"chosen: {why(report.chosen, report.plans)}")
     lines.append(f"planned in {report.seconds:.1f} s; memory counted on fake tensors, time from measured steps "
                  f"(docs/plan.md)")
     return "\n".join(lines)
@@ -258,7 +259,10 @@ def cmd_plan(cfg: RunConfig, *, recipe: str, devices: int, nnodes: int, budget_t
     print(format_report(report, title), flush=True)
     if json_path:
         Path(json_path).write_text(json.dumps(report.as_json(), indent=2) + "\n")
-    return 0 if report.chosen else 2
+    if report.chosen is None:
+        print(f"gputrain: error: {no_plan_line(report)}", file=sys.stderr, flush=True)
+        return 2
+    return 0
 
 
 def auto_overrides(cfg: RunConfig, *, devices: int, nnodes: int, budget_text: str) -> tuple[list[str], str]:
@@ -266,9 +270,8 @@ def auto_overrides(cfg: RunConfig, *, devices: int, nnodes: int, budget_text: st
     with Progress("gputrain train --strategy auto", log_lines=False) as progress:
         report = make_report(cfg, devices=devices, nnodes=nnodes, budget_text=budget_text, choice_only=True,
                              progress=progress)
-    if report.chosen is None:
-        print(no_plan_line(report), file=sys.stderr, flush=True)
-        raise SystemExit(2)
+    if report.chosen is None:  # a usage error: the command line prints it as every other, prefix and exit 2
+        raise ValueError(no_plan_line(report))
     c = report.chosen
     per_device = ", ".join(format_bytes(m.peak) for m in c.per_device)
     split = f" split at {','.join(c.split_points)}" if c.split_points else ""

@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from gputrain.parallel.partition import format_bytes
 from gputrain.tools.plan import memory, split_memory
 from gputrain.tools.plan.memory import StepMemory
 from gputrain.tools.plan.timing import BlockShares, Probe, allreduce_s, send_s
@@ -41,6 +42,8 @@ class Plan:
     """The largest global batch predicted to fit the budget with the margin (0: none; -1: not asked for, as
     ``--strategy auto`` does not)."""
     activation_checkpointing: bool = False
+    nodes: int = 1
+    """Nodes the plan's ``devices`` are spread over (ddp and fsdp; the others run on one node)."""
 
     @property
     def peak(self) -> int:
@@ -65,8 +68,9 @@ class Plan:
 
     def overrides(self) -> list[str]:
         """The config values that train this plan."""
+        # trainer.devices counts the devices of one node; the plan's devices are the job's (launch.nnodes nodes)
         out = [f"trainer.strategy={self.strategy}", f"trainer.batch_size={self.batch_size}",
-               f"trainer.devices={self.devices}"]
+               f"trainer.devices={self.devices // self.nodes}"]
         if self.strategy in ("pipeline", "model_parallel"):
             out += [f"parallel.micro_batches={self.micro_batches}", f"parallel.stages={self.devices}",
                     f"parallel.split_points=[{','.join(self.split_points)}]"]
@@ -83,7 +87,8 @@ class Plan:
                 "schedule": self.schedule or None, "split_points": list(self.split_points),
                 "activation_checkpointing": self.activation_checkpointing, "peak_memory_bytes": self.peak,
                 "per_device_memory_bytes": [m.peak for m in self.per_device], "memory_parts": worst.as_dict(),
-                "step_s": self.step_s, "images_per_s": self.images_per_s, "fits": self.fits,
+                "step_s": self.step_s, "images_per_s": self.images_per_s, "fits": self.fits_with_margin,
+                "within_budget": self.fits,
                 "max_global_batch": self.max_global_batch, "overrides": self.overrides()}
 
 
@@ -108,6 +113,8 @@ class Planner:
     """Bytes the CUDA allocator holds beyond the counted tensors (measured by the probe step)."""
     largest: bool = True
     """Whether to find each plan's largest batch (a second count at twice the batch); else it is -1."""
+    nodes: int = 1
+    """The nodes ``devices`` are spread over."""
 
     def _largest(self, at: int, low: Sequence[StepMemory], high: Callable[[], Sequence[StepMemory]]) -> int:
         """The largest batch (per process, as ``at``) whose every device fits the budget with the margin, from each
@@ -150,7 +157,7 @@ class Planner:
         largest = _per_process(n, self._largest(b, [mem], lambda: [memory.step_memory(self.work, 2 * b,
                                                                                        held_gradients=True)]))
         return Plan("ddp", n, self.global_batch, b, (mem,) * n, compute + exposed, self.budget,
-                    max_global_batch=largest)
+                    max_global_batch=largest, nodes=self.nodes)
 
     def fsdp(self) -> Plan:
         n, b = self.devices, self.global_batch // self.devices
@@ -166,7 +173,7 @@ class Planner:
         exposed = max(comm / (len(self.fsdp_units) + 1), comm - compute)
         largest = _per_process(n, self._largest(b, [mem], lambda: [at(2 * b)]))
         return Plan("fsdp", n, self.global_batch, b, (mem,) * n, compute + exposed, self.budget,
-                    max_global_batch=largest)
+                    max_global_batch=largest, nodes=self.nodes)
 
     def _stage_memory(self, strategy: str, schedule: str, split: Sequence[int], batch: int) -> list[StepMemory]:
         """Each stage's device at ``batch`` (model_parallel's micro-batches run as GPipe's)."""
@@ -206,13 +213,20 @@ def choose(plans: Sequence[Plan]) -> Plan | None:
     return min(fitting, key=lambda p: (round(p.step_s, 9), p.devices)) if fitting else None
 
 
+def fits_cell(plan: Plan) -> str:
+    """The table's ``fits`` column, by the rule the choice uses (the margin): ``yes`` only for a plan it may choose."""
+    if plan.fits_with_margin:
+        return "yes"
+    return f"no ({MARGIN:.0%} margin)" if plan.fits else "NO"
+
+
 def why(chosen: Plan, plans: Sequence[Plan]) -> str:
     """One line: why this plan."""
     faster = [p for p in plans if p.step_s < chosen.step_s and p is not chosen]
     reason = (f"the fastest of {sum(p.fits_with_margin for p in plans)} plans that fit"
               if not faster else f"faster plans ({', '.join(p.label for p in faster)}) do not fit")
-    return (f"{chosen.label}: {reason} (predicted peak {chosen.peak / 2**30:.2f} GiB per device of "
-            f"{chosen.budget / 2**30:.2f} GiB, keeping a {MARGIN:.0%} margin; {chosen.images_per_s:.1f} images/s)")
+    return (f"{chosen.label}: {reason} (predicted peak {format_bytes(chosen.peak)} per device of "
+            f"{format_bytes(chosen.budget)}, keeping a {MARGIN:.0%} margin; {chosen.images_per_s:.1f} images/s)")
 
 
 def micro_batch_count(requested: int, stages: int, global_batch: int, has_batchnorm: bool) -> int:

@@ -140,7 +140,7 @@ class BlockShares:
     """What a stage ending at the block sends to the next, per sample."""
 
 
-def block_shares(work: Workload, batch_size: int) -> BlockShares:
+def block_shares(work: Workload, batch_size: int, repeats: int = 2) -> BlockShares:
     """Each block's share of a forward+backward, measured by the partitioner's profiler at ``batch_size``."""
     from gputrain.parallel.blocks import sequential_blocks
     from gputrain.parallel.profile import profile_blocks
@@ -150,7 +150,7 @@ def block_shares(work: Workload, batch_size: int) -> BlockShares:
     blocks = sequential_blocks(model, children_in_order=bool(work.split_points))
     inputs, _ = move_to_device(work.batch(batch_size), work.device)
     with torch.random.fork_rng(devices=[work.device] if work.device.type == "cuda" else []), work.autocast():
-        costs = profile_blocks(blocks, inputs, device=work.device, repeats=2)
+        costs = profile_blocks(blocks, inputs, device=work.device, repeats=repeats)
     total = sum(c.forward_backward_s for c in costs) or 1.0
     return BlockShares([c.name for c in costs], [c.forward_backward_s / total for c in costs],
                        [c.output_bytes / batch_size for c in costs])

@@ -1,0 +1,50 @@
+"""``gputrain parity`` reports a mode that times out under that mode, as a timeout, and the next mode on its own
+(issue 43 item 1: under load a slow rank once made parity blame ddp for a failure in pipeline's partitioner, then
+fail pipeline's retry on its own leftover folder).
+
+Rank 1 of the ddp mode sleeps past the collective timeout as the mode starts; rank 0 waits in its first collective.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from gputrain.config import load_config
+from gputrain.engine.hooks import Hook
+from gputrain.tasks.base import Task
+from gputrain.tasks.spec import TaskSpec
+from gputrain.tools.diagnose.parity import check_parity
+
+TIMEOUT_S = 4
+
+
+def build_mlp() -> TaskSpec:
+    x = torch.randn(32, 4, generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    return TaskSpec(task=Task(F.mse_loss), model=nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1)),
+                    train_data=TensorDataset(x, x.sum(1, keepdim=True)), val_data=None)
+
+
+class SlowRankOne(Hook):
+    """Rank 1 stalls as the mode starts, for longer than the collective timeout: a rank on a loaded machine."""
+
+    def before_fit(self, ctx) -> None:
+        if dist.is_initialized() and dist.get_rank() == 1:
+            time.sleep(3 * TIMEOUT_S)
+
+
+def test_a_mode_that_times_out_is_named_as_that_modes_timeout_and_the_next_runs_clean():
+    cfg = load_config(None, ["optim.name=sgd", "optim.lr=0.1"])
+    report = check_parity(build_mlp, cfg, modes=["ddp", "fsdp"], global_batch=8, steps=2, epochs=1,
+                          timeout_s=TIMEOUT_S, mode_hooks={"ddp": [SlowRankOne()]})
+    rows = {r.mode: r for r in report.rows}
+    assert rows["ddp"].status == "FAIL", report.format()
+    assert "timed out after 4 s waiting for another rank" in rows["ddp"].cause, report.format()
+    assert "raise --timeout (now 4 s)" in rows["ddp"].cause, report.format()
+    assert rows["fsdp"].status == "PASS", report.format()  # retried in a launch and folder of its own
