@@ -48,7 +48,8 @@ class Steps(Hook):
 def test_clipping_at_16_mixed_clips_the_true_gradients_not_the_scaled_ones(tmp_path, precision):
     """Promise: with trainer.grad_clip_norm at 16-mixed the GradScaler unscales the gradients before they are
     clipped, so a clipped SGD step moves the weights by lr x grad_clip_norm, as at 32. Planted fault: clipped while
-    still scaled (times 2**13 here), the step moves the weights 8192 times less: the model hardly trains."""
+    still scaled (by thousands), a step moves the weights by lr x grad_clip_norm / scale: the model hardly trains
+    (here not at all: the move is below float32's resolution of the weights)."""
     lr, clip = 0.1, 1e-3  # the gradients' norm is about 10: every step is clipped
     steps = Steps()
     x = torch.randn(32, 4, generator=torch.Generator().manual_seed(0))

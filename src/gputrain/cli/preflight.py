@@ -17,13 +17,6 @@ from gputrain.extras import require
 if TYPE_CHECKING:
     from gputrain.config import RunConfig
 
-TASK_PACKAGES: dict[str, tuple[str, ...]] = {"detection": ("pycocotools",)}
-"""Optional packages a built-in task needs (data loading and evaluation)."""
-
-SAMPLE_DATA = {"autoencoder": "imagefolder", "segmentation": "ade20k", "detection": "coco",
-               "classification:cifar10": "cifar10", "classification:classfolder": "classfolder"}
-"""The ``gputrain data make`` kind that writes sample data for each built-in task (and format)."""
-
 SLOW_ON_CPU = ("16-mixed", "bf16-mixed")
 
 
@@ -32,12 +25,11 @@ def check_packages(cfg: RunConfig) -> None:
     for name in cfg.trainer.loggers:
         if name in ("tensorboard", "wandb"):
             require(name, f"trainer.loggers=[{name}]")
-    for module in TASK_PACKAGES.get(cfg.task, ()):
+    from gputrain.tasks import TASKS, check_task_options
+
+    check_task_options(cfg)  # before any worker: the task's own options (what it states in gputrain.tasks.TASKS)
+    for module in TASKS[cfg.task].packages if cfg.task in TASKS else ():
         require(module, f"task {cfg.task}")
-
-
-def _sample_kind(cfg: RunConfig) -> str:
-    return SAMPLE_DATA.get(cfg.task) or SAMPLE_DATA.get(f"{cfg.task}:{cfg.data.format}", "")
 
 
 def check_data_paths(cfg: RunConfig) -> None:
@@ -47,13 +39,13 @@ def check_data_paths(cfg: RunConfig) -> None:
     With ``data.download=true`` the data set is downloaded first (once per node: this runs in the launcher).
     """
     from gputrain.data.download import download_data
-    from gputrain.tasks import BUILTIN_TASKS
+    from gputrain.tasks import BUILTIN_TASKS, sample_data_kind
 
     download_data(cfg)
 
     if cfg.task not in BUILTIN_TASKS:
         return
-    kind = _sample_kind(cfg)
+    kind = sample_data_kind(cfg)
     for field, value in (("data.root", cfg.data.root), ("data.val_root", cfg.data.val_root),
                          ("data.annotations", cfg.data.annotations)):
         if not value:

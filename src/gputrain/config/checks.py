@@ -25,9 +25,6 @@ INT32_MAX = 2**31 - 1
 """Upper bound of counts (steps, epochs, batch sizes): what torch's and the samplers' int32 arithmetic holds."""
 SEED_MAX = 2**32 - 1
 """The largest seed every generator we seed (torch, numpy, random) takes."""
-UINT8_TASKS = ("autoencoder", "classification", "segmentation", "detection")
-"""The built-in tasks (``gputrain.tasks.BUILTIN_TASKS``), each of which can send its training images as ``uint8``
-(data.normalize_on_device); a task of your own builds its own loader's batches."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -163,10 +160,6 @@ def check_combinations(cfg: RunConfig) -> None:
                         ("data.normalize_on_device", cfg.data.normalize_on_device)):
         if isinstance(value, str) and value != "auto":
             raise ValueError(f"{name}={value!r} must be auto, true or false (from Python: 'auto', True or False)")
-    if cfg.data.normalize_on_device is True and cfg.task not in UINT8_TASKS:
-        raise ValueError(f"data.normalize_on_device=true changes the batches of the built-in tasks ({', '.join(UINT8_TASKS)}), "
-                         f"and task {cfg.task} makes its own; set data.normalize_on_device=auto (your task's collate "
-                         "decides) or false")
     if cfg.data.decode_on_device and (cfg.task != "classification" or cfg.data.format != "classfolder"):
         raise ValueError(f"data.decode_on_device=true decodes class-folder images (task classification, data.format="
                          f"classfolder), not task {cfg.task} with data.format={cfg.data.format or '(default)'}; set "

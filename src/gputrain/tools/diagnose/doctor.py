@@ -187,7 +187,7 @@ def run_doctor(cfg: RunConfig, *, devices: int | None = None, steps: int = 3, ti
     progress.close()
     report = analyse(cfg, outcomes, world_size=world, accelerator=accelerator, steps=steps, wall_s=wall, recipe=recipe)
     if plan is not None:
-        report.findings.append(plan_check.check_plan(plan, measured, outcomes))
+        report.findings.append(plan_check.check_plan(plan, measured, outcomes, busy=plan_check.machine_busy(accelerator)))
     return report
 
 
