@@ -19,7 +19,8 @@ from gputrain.checkpoint.state import TrainState, position, resumed_line
 @pytest.mark.parametrize(("option", "value", "line"), [
     ("strategy", "ddpp", "trainer.strategy='ddpp' is unknown; choose one of ddp, dp, fsdp, model_parallel, pipeline, "
                          "single"),
-    ("precision", "bf16", "trainer.precision='bf16' is unknown; choose auto, mixed, 32, 16-mixed, bf16-mixed"),
+    ("precision", "bf16", "trainer.precision='bf16' is unknown; choose auto, mixed, 32, 16-mixed, bf16-mixed, 32-true, "
+                          "fp32, fp16-mixed"),
     ("accelerator", "gpu", "trainer.accelerator='gpu' is unknown; choose auto, cpu, cuda"),
 ])
 def test_a_misspelt_trainer_option_fails_when_the_trainer_is_made(option, value, line):
@@ -87,3 +88,8 @@ def test_resuming_another_recipes_checkpoint_names_the_task_and_model_first(tmp_
                    "and this run is task classification with model resnet18: --resume continues the run that wrote "
                    "it; give that run's recipe (its config.yaml beside checkpoints/), or start a new run without "
                    "--resume")
+
+
+@pytest.mark.parametrize("alias", ["32-true", "fp32", "fp16-mixed"])
+def test_the_documented_precision_aliases_are_accepted(alias):
+    Trainer(precision=alias)  # docs/precision.md: aliases work in Trainer(precision=...) and as overrides

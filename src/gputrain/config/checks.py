@@ -168,7 +168,8 @@ def check_combinations(cfg: RunConfig) -> None:
         raise ValueError("trainer.compile=true does not work with strategy dp (nn.DataParallel copies the model to "
                          "each GPU at every step); use --strategy ddp, or trainer.compile=false")
     for field, value, choices in (
-            ("trainer.precision", str(t.precision), ("auto", "mixed", "32", "16-mixed", "bf16-mixed")),
+            ("trainer.precision", str(t.precision), ("auto", "mixed", "32", "16-mixed", "bf16-mixed", "32-true",
+                                                     "fp32", "fp16-mixed")),  # the aliases of docs/precision.md
             ("trainer.accelerator", t.accelerator, ("auto", "cpu", "cuda")),
             ("optim.name", cfg.optim.name.lower(), ("sgd", "adam", "adamw")),
             ("scheduler.name", cfg.scheduler.name.lower(), ("constant", "cosine", "poly", "step"))):
