@@ -119,7 +119,7 @@ def test_doctor_compares_the_plan_with_its_dry_run(planned):
     finding = next(f for f in json.loads(done.stdout)["findings"] if f["check"] == "plan")
     # Memory is counted the same way on both sides; a CPU's step time is left to the WARN it may give.
     assert finding["status"] in ("OK", "WARN") and "memory more than" not in finding["what"], finding
-    assert "ddp on 2: predicted" in finding["what"] and "measured no steady step" not in finding["what"]
+    assert "ddp on 2: memory predicted" in finding["what"] and "measured no steady step" not in finding["what"]
 
 
 def test_a_prediction_more_than_15_percent_off_is_a_warning():

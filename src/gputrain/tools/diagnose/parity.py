@@ -45,11 +45,13 @@ from gputrain.tools.diagnose import MODE_NAMES, probes
 from gputrain.tools.diagnose.outcome import append_record
 from gputrain.tools.diagnose.parity_compare import ModeResult, ParityReport, collect_outcomes, compare
 from gputrain.tools.diagnose.ranks import (
+    BETWEEN_MODES,
     STOP_PEERS,
     flight_recorder_last,
     named_timeout,
     one_line,
     run_on_ranks,
+    wait_for_every_rank,
 )
 from gputrain.tools.progress import Progress, Silent
 
@@ -176,18 +178,16 @@ def run_mode(build: Callable[[], Any], cfg: RunConfig, mode: Mode, *, global_bat
 def _parity_ranks(info: DistInfo, build: Callable[[], Any], cfg: RunConfig, modes: list[Mode], kwargs: dict[str, Any],
                   mode_hooks: dict[str, list[Hook]]) -> dict[str, Any]:
     """The multi-process modes, one after another in the same ranks; stops at the first that fails."""
-    from gputrain.dist import comm
-
     done: dict[str, Any] = {}
     previous = ""
     for mode in modes:
         append_record({"kind": "start", "mode": mode.name})
         try:
             try:  # every rank has finished the mode before: none races into this one's collectives (a slow rank
-                comm.barrier()  # still ending ddp made a fast one fail in pipeline's, and ddp took the blame)
-            except Exception as err:
-                raise TimeoutError(f"every rank had not finished mode {previous} within {kwargs['timeout_s']:.0f} s "
-                                   f"of this one ({one_line(err)[:120]})") from err
+                wait_for_every_rank(kwargs["timeout_s"])  # still ending ddp made its peer fail in pipeline's; ddp took
+            except Exception as err:  # the blame). A slow tail is no mode's failure: the wait is generous.
+                raise TimeoutError(f"every rank had not finished mode {previous} within "
+                                   f"{BETWEEN_MODES * kwargs['timeout_s']:.0f} s of this one ({one_line(err)[:120]})") from err
             done[mode.name] = {"ok": True, **run_mode(build, cfg, mode, hooks=mode_hooks.get(mode.name, ()),
                                                       out=f"{kwargs['out']}/{mode.name}", **{k: v for k, v in
                                                       kwargs.items() if k != "out"})}

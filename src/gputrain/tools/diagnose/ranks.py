@@ -107,6 +107,28 @@ def named_timeout(err: BaseException, timeout_s: float) -> str:
     return line
 
 
+BETWEEN_MODES = 10
+"""Times the collective timeout a rank waits for the others to finish the previous job (a parity mode)."""
+
+
+def wait_for_every_rank(timeout_s: float) -> None:
+    """A barrier between two jobs of the same ranks that waits ``BETWEEN_MODES`` times the collective timeout: a
+    group of its own, made on the first call (every rank makes it, before the first job), with that timeout."""
+    import datetime
+
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return
+    if "group" not in _PATIENT:
+        timeout = datetime.timedelta(seconds=BETWEEN_MODES * timeout_s)
+        _PATIENT["group"] = dist.new_group(backend=dist.get_backend(), timeout=timeout)
+    dist.barrier(group=_PATIENT["group"])
+
+
+_PATIENT: dict[str, Any] = {}
+
+
 def _rank_main(body: Callable[..., Any], args: tuple[Any, ...], accelerator: str, timeout_s: float, watchdog_s: float,
                folder: str) -> None:
     torch.set_num_threads(1)
