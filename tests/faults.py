@@ -1142,4 +1142,7 @@ FAULTS: tuple[Fault, ...] = (
     Fault("[43] parity's ranks race from one mode into the next", "src/gputrain/tools/diagnose/parity.py",
           (('                wait_for_every_rank(kwargs["timeout_s"])', '                pass'),),
           ("tests/distributed/test_parity_timeout.py::test_a_rank_slow_to_end_a_mode_fails_neither_that_mode_nor_the_next",)),
+    Fault("[43] parity does not say which modes it is running", "src/gputrain/tools/diagnose/parity.py",
+          (("            progress.stage(f\"mode{'s' if len(pending) > 1 else ''}", "            progress.stage(f\"launch{'s' if len(pending) > 1 else ''}"),),
+          ("tests/distributed/test_parity_timeout.py::test_a_mode_that_times_out_is_named_as_that_modes_timeout_and_the_next_runs_clean",)),
 )

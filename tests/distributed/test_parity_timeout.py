@@ -7,6 +7,7 @@ Rank 1 of the ddp mode sleeps past the collective timeout as the mode starts; ra
 
 from __future__ import annotations
 
+import io
 import time
 
 import pytest
@@ -21,6 +22,7 @@ from gputrain.engine.hooks import Hook
 from gputrain.tasks.base import Task
 from gputrain.tasks.spec import TaskSpec
 from gputrain.tools.diagnose.parity import check_parity
+from gputrain.tools.progress import Progress
 
 TIMEOUT_S = 6
 """Long enough that the modes that are not made slow never wait this long on a busy machine."""
@@ -45,9 +47,15 @@ class SlowRankOne(Hook):
 @pytest.mark.timeout(240)
 def test_a_mode_that_times_out_is_named_as_that_modes_timeout_and_the_next_runs_clean():
     cfg = load_config(None, ["optim.name=sgd", "optim.lr=0.1"])
+    said = io.StringIO()
     report = check_parity(build_mlp, cfg, modes=["ddp", "fsdp"], global_batch=8, steps=2, epochs=1,
-                          timeout_s=TIMEOUT_S, mode_hooks={"ddp": [SlowRankOne()]})
+                          timeout_s=TIMEOUT_S, mode_hooks={"ddp": [SlowRankOne()]},
+                          progress=Progress("gputrain parity", stream=said))
     rows = {r.mode: r for r in report.rows}
+    assert said.getvalue().splitlines() == [  # what it runs, while it runs: the retry's launch too
+        "gputrain parity: [1/3] mode single: 2 steps x 1 epochs in this process",
+        "gputrain parity: [2/3] modes ddp, fsdp: on 2 ranks, one after another",
+        "gputrain parity: [3/3] mode fsdp: on 2 ranks, one after another"]
     assert rows["ddp"].status == "FAIL", report.format()
     assert f"timed out after {TIMEOUT_S} s waiting for another rank" in rows["ddp"].cause, report.format()
     assert f"raise --timeout (now {TIMEOUT_S} s)" in rows["ddp"].cause, report.format()
