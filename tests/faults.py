@@ -1145,4 +1145,7 @@ FAULTS: tuple[Fault, ...] = (
     Fault("[43] parity does not say which modes it is running", "src/gputrain/tools/diagnose/parity.py",
           (("            progress.stage(f\"mode{'s' if len(pending) > 1 else ''}", "            progress.stage(f\"launch{'s' if len(pending) > 1 else ''}"),),
           ("tests/distributed/test_parity_timeout.py::test_a_mode_that_times_out_is_named_as_that_modes_timeout_and_the_next_runs_clean",)),
+    Fault("[43] the README's model-parallel example trains the recipe's 10 epochs", "README.md",
+          (("gputrain train resnet50-model-parallel --epochs 1 --batch-size 16", "gputrain train resnet50-model-parallel --batch-size 16"),),
+          ("tests/unit/test_readme_examples.py",)),
 )
