@@ -19,6 +19,9 @@ import pytest
 TESTS = Path(__file__).resolve().parent.parent
 
 DEADLOCK = '''
+import subprocess
+import sys
+
 import torch
 import torch.distributed as dist
 import pytest
@@ -33,9 +36,19 @@ def wait_for_the_other_rank(info):
     dist.send(buffer, dst=1 - info.rank)
 
 
+HELPER = chr(10).join(["import time", "def wait_in_a_helper_process():", "    time.sleep(600)",
+                     "wait_in_a_helper_process()"])
+
+
 @pytest.mark.timeout({limit})
-def test_two_ranks_wait_for_each_other():
-    run_ranks(wait_for_the_other_rank, timeout_s=600)
+def test_two_ranks_wait_for_each_other(tmp_path):
+    # A plain Python process the test started too: its stack comes from PYTHONFAULTHANDLER alone (torch's elastic
+    # error handler enables faulthandler in the ranks by itself).
+    helper = subprocess.Popen([sys.executable, "-c", HELPER], stderr=open(tmp_path / "helper.err", "w"))
+    try:
+        run_ranks(wait_for_the_other_rank, timeout_s=600)
+    finally:
+        helper.kill()
 '''
 
 
@@ -57,5 +70,6 @@ def test_a_deadlock_between_two_ranks_fails_at_the_limit_with_both_stacks(tmp_pa
     assert seconds < limit_s + 60, f"took {seconds:.0f} s for a limit of {limit_s} s"
     assert "FAILED" in output and "test_deadlock.py::test_two_ranks_wait_for_each_other" in output, output[-3000:]
     assert f"ran past its limit of {limit_s} s" in output, output[-3000:]
-    # each rank's own stack, at the receive it waited in
+    # each rank's own stack, at the receive it waited in, and the plain helper process's
     assert output.count("in wait_for_the_other_rank") >= 2, output[-5000:]
+    assert "in wait_in_a_helper_process" in output, output[-5000:]
