@@ -72,3 +72,15 @@ def one_error_line(err: str) -> str:
 
 def listing(folder: Path) -> dict[str, int]:
     return {str(p.relative_to(folder)): p.stat().st_mtime_ns for p in sorted(folder.rglob("*"))}
+
+
+def make_workdir(root: Path) -> Path:
+    """A first-hour user's folder: sample frames, a models module of their own, and a core-only site hook."""
+    from gputrain.data.imagefolder import make_frames
+
+    make_frames(root / "data" / "frames", count=16, size=32, videos=2)
+    (root / "first_hour_models.py").write_text(MODELS)
+    (root / "core_only").mkdir()
+    (root / "core_only" / "sitecustomize.py").write_text(CORE_ONLY)
+    return root
+

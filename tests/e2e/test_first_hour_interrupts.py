@@ -17,18 +17,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from first_hour import CORE_ONLY, ENV, MODELS, TINY, gputrain
-from gputrain.data.imagefolder import make_frames
+from first_hour import ENV, TINY, gputrain, make_workdir
 
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("first_hour")
-    make_frames(root / "data" / "frames", count=16, size=32, videos=2)
-    (root / "first_hour_models.py").write_text(MODELS)
-    (root / "core_only").mkdir()
-    (root / "core_only" / "sitecustomize.py").write_text(CORE_ONLY)
-    return root
+    return make_workdir(tmp_path_factory.mktemp("first_hour"))
 
 
 # -- 3. interrupts (real processes and signals) -----------------------------------------------------

@@ -17,19 +17,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from first_hour import CORE_ONLY, MODELS, TINY, cli, gputrain, one_error_line
+from first_hour import TINY, cli, gputrain, make_workdir, one_error_line
 from gputrain.cli import main
-from gputrain.data.imagefolder import make_frames
 
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("first_hour")
-    make_frames(root / "data" / "frames", count=16, size=32, videos=2)
-    (root / "first_hour_models.py").write_text(MODELS)
-    (root / "core_only").mkdir()
-    (root / "core_only" / "sitecustomize.py").write_text(CORE_ONLY)
-    return root
+    return make_workdir(tmp_path_factory.mktemp("first_hour"))
 
 
 @pytest.fixture
