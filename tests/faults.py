@@ -46,6 +46,13 @@ FAULTS: tuple[Fault, ...] = (
     Fault("[31] the GPU checklist passes CUDA tests that were all skipped", "scripts/gpu_checklist.py",
           (('    if not outcomes["passed"]:', '    if False:'),),
           (f"{CHECKLIST}::test_the_cuda_tests_fail_when_one_fails_or_none_ran",)),
+    # -- scripts/suite_report.py (make mutants' baseline from make test's report) ------------------------------
+    Fault("[39] make mutants trusts a report of make test taken before a file changed", "scripts/suite_report.py",
+          (("    if changed:\n", "    if False:\n"),),
+          ("tests/unit/test_suite_report.py::test_a_file_changed_after_the_suite_started_voids_the_report",)),
+    Fault("[39] make mutants spares a selection make test showed failing", "scripts/suite_report.py",
+          ((' or any(t & {"failure", "error"} for t in tags):', ":"),),
+          ("tests/unit/test_suite_report.py::test_only_the_selections_make_test_showed_passing_are_spared",)),
     # -- src/gputrain/checkpoint/checkpointer.py -------------------------------------------------------------
     Fault('non-finite check removed from save_checkpoint', 'src/gputrain/checkpoint/checkpointer.py',
           (('if not (all_finite(parts, loss) if not in_background else loss is None or math.isfinite(loss)):',
@@ -1144,7 +1151,13 @@ FAULTS: tuple[Fault, ...] = (
           ("tests/distributed/test_parity_timeout.py::test_a_rank_slow_to_end_a_mode_fails_neither_that_mode_nor_the_next",)),
     Fault("[43] parity does not say which modes it is running", "src/gputrain/tools/diagnose/parity.py",
           (("            progress.stage(f\"mode{'s' if len(pending) > 1 else ''}", "            progress.stage(f\"launch{'s' if len(pending) > 1 else ''}"),),
-          ("tests/distributed/test_parity_timeout.py::test_a_mode_that_times_out_is_named_as_that_modes_timeout_and_the_next_runs_clean",)),
+          ("tests/distributed/test_parity_timeout.py::test_a_mode_that_times_out_is_named_as_that_modes_timeout_and_neither_its_predecessor_nor_the_next_is_blamed",)),
+    Fault("[43] a parity mode finished before a later mode failed is lost with its stopped rank",
+          "src/gputrain/tools/diagnose/parity.py",
+          (('            done[mode.name] = save_mode_result(kwargs["out"], mode.name, info.rank, {"ok": True, **value})',
+            '            done[mode.name] = {"ok": True, **value}'),),
+          ("tests/distributed/test_parity_timeout.py::"
+           "test_a_mode_that_times_out_is_named_as_that_modes_timeout_and_neither_its_predecessor_nor_the_next_is_blamed",)),
     Fault("[43] the README's model-parallel example trains the recipe's 10 epochs", "README.md",
           (("gputrain train resnet50-model-parallel --epochs 1 --batch-size 16", "gputrain train resnet50-model-parallel --batch-size 16"),),
           ("tests/unit/test_readme_examples.py",)),

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 
 @dataclass
 class RankOutcome:
@@ -52,6 +54,15 @@ def open_records() -> None:
     folder = os.environ.get(RECORDS_DIR)
     if folder and _records_file is None:
         _records_file = open(Path(folder) / f"records{os.environ.get('RANK', '0')}.jsonl", "a")  # noqa: SIM115
+
+
+def save_mode_result(folder: str, mode: str, rank: int, value: dict[str, Any]) -> dict[str, Any]:
+    """Write one rank's finished mode to ``folder`` (whole or absent); returns the small stand-in the rank keeps."""
+    path = Path(folder) / f"{mode}.rank{rank}.pt"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(value, path.with_suffix(".partial"))
+    path.with_suffix(".partial").replace(path)
+    return {"ok": True, "saved": str(path)}
 
 
 def read_records(path: Path) -> list[dict[str, Any]]:

@@ -42,7 +42,7 @@ from gputrain.dist import DistInfo
 from gputrain.engine.hooks import Hook, RunContext
 from gputrain.strategies import processes_per_node, strategy_class
 from gputrain.tools.diagnose import MODE_NAMES, probes
-from gputrain.tools.diagnose.outcome import append_record
+from gputrain.tools.diagnose.outcome import append_record, save_mode_result
 from gputrain.tools.diagnose.parity_compare import ModeResult, ParityReport, collect_outcomes, compare
 from gputrain.tools.diagnose.ranks import (
     BETWEEN_MODES,
@@ -188,9 +188,10 @@ def _parity_ranks(info: DistInfo, build: Callable[[], Any], cfg: RunConfig, mode
             except Exception as err:  # the blame). A slow tail is no mode's failure: the wait is generous.
                 raise TimeoutError(f"every rank had not finished mode {previous} within "
                                    f"{BETWEEN_MODES * kwargs['timeout_s']:.0f} s of this one ({one_line(err)[:120]})") from err
-            done[mode.name] = {"ok": True, **run_mode(build, cfg, mode, hooks=mode_hooks.get(mode.name, ()),
-                                                      out=f"{kwargs['out']}/{mode.name}", **{k: v for k, v in
-                                                      kwargs.items() if k != "out"})}
+            value = run_mode(build, cfg, mode, hooks=mode_hooks.get(mode.name, ()), out=f"{kwargs['out']}/{mode.name}",
+                             **{k: v for k, v in kwargs.items() if k != "out"})
+            # Kept as the mode ends: if a later mode fails and this rank is stopped, this mode is still reported.
+            done[mode.name] = save_mode_result(kwargs["out"], mode.name, info.rank, {"ok": True, **value})
         except Exception as err:  # noqa: BLE001 (reported per mode; a broken process group ends the rest)
             done[mode.name] = {"ok": False, "error": named_timeout(err, kwargs["timeout_s"]),
                                "last_collective": flight_recorder_last()}
@@ -198,7 +199,6 @@ def _parity_ranks(info: DistInfo, build: Callable[[], Any], cfg: RunConfig, mode
             break
         previous = mode.name
     return done
-
 
 
 def _resolve_modes(names: Sequence[str]) -> tuple[list[Mode], dict[str, str]]:
@@ -266,7 +266,7 @@ def check_parity(build: Callable[[], Any], cfg: RunConfig | None = None, *, mode
             outcomes = run_on_ranks(_parity_ranks, build, cfg, pending, kwargs, mode_hooks or {},
                                     devices=max(m.processes for m in pending), accelerator=accelerator,
                                     timeout_s=timeout_s)
-            finished = collect_outcomes(outcomes, pending, results)
+            finished = collect_outcomes(outcomes, pending, results, str(kwargs["out"]))
             pending = pending[finished:]
     wall = time.perf_counter() - start
     if not name:

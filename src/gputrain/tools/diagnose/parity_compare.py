@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -257,11 +258,25 @@ def compare(results: dict[str, ModeResult], skipped: dict[str, str], order: list
                         rows=rows)
 
 
-def collect_outcomes(outcomes: list[Any], pending: list[Any], results: dict[str, ModeResult]) -> int:
-    """Fold one launch's outcomes into ``results``; returns how many pending modes it settled."""
+def _mode_value(outcome: RankOutcome, folder: str, mode: str) -> dict[str, Any] | None:
+    """What one rank reported for ``mode``: its saved result when it finished the mode (even if the rank was stopped
+    later, in another mode), else the failure it returned, else None (it never got there)."""
+    saved = Path(folder) / f"{mode}.rank{outcome.rank}.pt"
+    if saved.is_file():
+        value: dict[str, Any] = torch.load(saved, weights_only=True)
+        return value
+    if outcome.ok and isinstance(outcome.value, dict):
+        return outcome.value.get(mode)
+    return None
+
+
+def collect_outcomes(outcomes: list[RankOutcome], pending: list[Any], results: dict[str, ModeResult],
+                     folder: str) -> int:
+    """Fold one launch's outcomes (its ranks' saved modes in ``folder``) into ``results``; returns how many pending
+    modes it settled."""
     settled = 0
     for mode in pending:
-        per_rank = [o.value.get(mode.name) if o.ok and isinstance(o.value, dict) else None for o in outcomes]
+        per_rank = [_mode_value(o, folder, mode.name) for o in outcomes]
         if all(v is not None and v["ok"] for v in per_rank):
             results[mode.name] = ModeResult.from_ranks(mode.name, [v for v in per_rank if v is not None], dp=mode.dp)
             settled += 1
