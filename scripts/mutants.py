@@ -1,12 +1,13 @@
 """Plant each known fault in a copy of the repository and check that a fast test catches it.
 
 ``make mutants`` runs this. The faults are data, in ``tests/faults.py``, grouped by the module each one breaks.
-For every fault it copies ``src/``, ``tests/``, ``scripts/``, ``pyproject.toml``, ``docs/`` and ``README.md`` to a
+For every fault it copies the tree ``make test`` ran on (git's tracked and untracked, not ignored, files) to a
 temporary folder, applies the fault (exact text replacements in one file), runs the few fast tests chosen to
 catch it against that copy, and prints a table: fault, the first test that failed, seconds. It exits 1 when a
 fault survives (every chosen test passed), when a run times out, when the chosen tests fail without any fault
-(the baseline), or when a fault's text no longer occurs exactly once in its file, so the list cannot rot
-silently: after a refactor, update the pattern to plant the same fault in the new code.
+(the baseline: the tests ``make test``'s report does not show passing on this very tree are run without a
+fault first; ``scripts/suite_report.py``), or when a fault's text no longer occurs exactly once in its file, so
+the list cannot rot silently: after a refactor, update the pattern to plant the same fault in the new code.
 
 Faults run in parallel, ``--jobs`` at a time (default: one per core). Each runs in a process forked from this one
 after torch, torchvision and pytest are imported, so no fault pays for those imports again; gputrain itself is
@@ -33,6 +34,8 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+import suite_report  # scripts/, beside this file
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -69,14 +72,13 @@ def check_patterns(faults) -> list[str]:
     return problems
 
 
-def make_copy(parent: Path, fault=None) -> Path:
-    """``src/``, ``tests/``, ``scripts/`` (the GPU checklist's verdicts), ``pyproject.toml`` (pytest's options) and
-    the pages the documented-commands test reads; with ``fault`` planted."""
-    ignore = shutil.ignore_patterns("__pycache__", "*.egg-info", ".pytest_cache")
-    for folder in ("src", "tests", "scripts", "docs"):
-        shutil.copytree(ROOT / folder, parent / folder, ignore=ignore)
-    shutil.copy2(ROOT / "pyproject.toml", parent / "pyproject.toml")
-    shutil.copy2(ROOT / "README.md", parent / "README.md")
+def make_copy(parent: Path, files: list[str], fault=None) -> Path:
+    """``files`` (the tree make test ran on, :func:`suite_report.tree_files`) copied to ``parent``, ``fault``
+    planted."""
+    for name in files:
+        target = parent / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / name, target)
     if fault is not None:
         path = parent / fault.file
         text = path.read_text()
@@ -229,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-k", dest="match", default="", help="only faults whose name contains this text")
     parser.add_argument("--list", action="store_true", help="list the faults and their tests, run nothing")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per fault before it counts as failed")
-    parser.add_argument("--no-baseline", action="store_true", help="skip the run of the chosen tests without faults")
+    parser.add_argument("--no-baseline", action="store_true", help="trust that the chosen tests pass without faults (no baseline)")
     parser.add_argument("-j", "--jobs", type=int, default=os.cpu_count() or 1,
                         help="faults run at once (default: one per core)")
     args = parser.parse_args(argv)
@@ -251,13 +253,19 @@ def main(argv: list[str] | None = None) -> int:
           flush=True)
     with tempfile.TemporaryDirectory(prefix="gputrain-mutants-") as tmp:
         tmp_path = Path(tmp)
-        if not args.no_baseline:  # every chosen test, unchanged, in one pytest run spread over the same cores
-            tests = tuple(dict.fromkeys(t for f in faults for t in f.tests))
-            base = Job(-1, "baseline", ("-n", str(args.jobs), *tests) if args.jobs > 1 else tests,
+        files = suite_report.tree_files()
+        tests = list(dict.fromkeys(t for f in faults for t in f.tests))
+        # Every chosen test must pass without its fault: make test's report shows most (suite_report's docstring).
+        todo, why = ([], "") if args.no_baseline else suite_report.unproven(tests, files)
+        if len(todo) < len(tests):
+            print(f"baseline: {len(tests) - len(todo)} of {len(tests)} test selections passed in make test on this "
+                  f"tree ({suite_report.REPORT.name}){f'; {why}' if why else ''}", flush=True)
+        if todo:
+            base = Job(-1, "baseline", ("-n", str(args.jobs), *todo) if args.jobs > 1 else tuple(todo),
                        _folder(tmp_path, "baseline-run"), args.timeout * 4)
-            run_jobs([base], {-1: lambda: make_copy(tmp_path / "baseline")}, 1, lambda job: None)
-            print(f"baseline (no fault, {len(tests)} test selections): {base.outcome} in {base.seconds:.0f} s",
-                  flush=True)
+            run_jobs([base], {-1: lambda: make_copy(tmp_path / "baseline", files)}, 1, lambda job: None)
+            print(f"baseline (no fault, {len(todo)} test selections{f'; {why}' if why else ''}): {base.outcome} in "
+                  f"{base.seconds:.0f} s", flush=True)
             if base.outcome != "passed":
                 print(base.output()[-3000:], file=sys.stderr)
                 print(f"mutants: the chosen tests fail without any fault ({short(base.node) or base.outcome}); "
@@ -265,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
                 return 1
             shutil.rmtree(tmp_path / "baseline", ignore_errors=True)
         jobs = [Job(i, f.name, f.tests, _folder(tmp_path, f"run{i:03d}"), args.timeout) for i, f in enumerate(faults)]
-        makers = {i: (lambda f=f, i=i: make_copy(tmp_path / f"fault{i:03d}", f)) for i, f in enumerate(faults)}
+        makers = {i: (lambda f=f, i=i: make_copy(tmp_path / f"fault{i:03d}", files, f)) for i, f in enumerate(faults)}
 
         def report(job: Job) -> None:
             caught = job.outcome == "failed"
