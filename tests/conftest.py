@@ -11,6 +11,9 @@ import torch
 import torch.distributed as dist
 
 torch.set_num_threads(1)
+# Inductor (trainer.compile) compiles in a pool of one process per core by default: each pool process imports torch
+# again, and the suite already runs one pytest worker per core. One in-process compile thread is faster here.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 # Shared helpers (multiproc.py, ...) live beside this file; test files in unit/, distributed/ and e2e/
 # import them by name, never from each other.
