@@ -166,8 +166,17 @@ def test_children_that_cannot_be_chained_get_one_line_not_a_shape_error(tmp_path
     assert "\n" not in str(refused.value)
 
 
+@pytest.fixture(scope="module")
+def classfolder_8px(tmp_path_factory):
+    """``gputrain data make classfolder --count 16 --size 8``, made in this process (the command's own test is
+    elsewhere; here it would only cost a process start)."""
+    from gputrain.tools.make_data import make_dataset
+
+    return make_dataset("classfolder", tmp_path_factory.mktemp("data") / "data", count=16, size=8)
+
+
 @pytest.mark.parametrize("strategy", ["model_parallel", "pipeline"])
-def test_cli_refuses_a_user_model_that_is_not_its_chain(tmp_path, strategy):
+def test_cli_refuses_a_user_model_that_is_not_its_chain(tmp_path, strategy, classfolder_8px):
     import os
     import subprocess
     import sys
@@ -175,10 +184,8 @@ def test_cli_refuses_a_user_model_that_is_not_its_chain(tmp_path, strategy):
     (tmp_path / "skipnet_user.py").write_text(SKIPNET)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
     cmd = [sys.executable, "-m", "gputrain"]
-    subprocess.run([*cmd, "data", "make", "classfolder", "--out", str(tmp_path / "data"), "--count", "16",
-                    "--size", "8"], check=True, capture_output=True, env=env)
     run = subprocess.run([*cmd, "train", "resnet50-model-parallel", "--epochs", "1", "--batch-size", "4",
-                          "--data-root", str(tmp_path / "data"), "--out", str(tmp_path / "run"),
+                          "--data-root", str(classfolder_8px), "--out", str(tmp_path / "run"),
                           "--devices", "2" if strategy == "pipeline" else "1", f"trainer.strategy={strategy}",
                           "model.name=skipnet_user:build", "parallel.split_points=[body]", "parallel.micro_batches=2",
                           "data.image_size=8", "data.num_classes=4"],
