@@ -218,3 +218,18 @@ def _trained(spec: RecipeRun, tmp_path_factory: pytest.TempPathFactory, *, cli_d
 
 def _epochs(spec: RecipeRun) -> int:
     return int(spec.args[spec.args.index("--epochs") + 1])
+
+
+def evaluate_here_and_on_2(spec: RecipeRun, trained: Trained, out: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """:func:`evaluate_on_1_and_2`, with the 1-process ``gputrain eval`` run in this process (``gputrain.cli.main``:
+    the same code path, without a new interpreter's seconds of imports); the 2-process one stays a real ``gputrain``
+    process with real torchrun workers."""
+    from gputrain.cli import main
+
+    args = ("eval", spec.recipe, "--checkpoint", str(trained.checkpoint), "--data-root", str(trained.data), *COMMON,
+            *spec.args)
+    gputrain(*args, "--devices", "2", "--out", str(out / "eval2"))
+    assert main([*args, "--devices", "1", "--out", str(out / "eval1")]) == 0
+    one, two = (json.loads((out / f"eval{d}" / "eval.json").read_text()) for d in (1, 2))
+    assert (one["world_size"], two["world_size"]) == (1, 2)
+    return one, two

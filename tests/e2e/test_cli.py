@@ -23,6 +23,21 @@ def gputrain(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     return done
 
 
+def gputrain_here(capsys: pytest.CaptureFixture[str], *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    """``gputrain`` run in this process (``gputrain.cli.main``, what the command runs, without a new interpreter's
+    seconds of imports): for the one-process commands, whose promises are not about processes. Multi-rank runs stay
+    real ``gputrain`` processes with real torchrun workers (``gputrain``)."""
+    from gputrain.cli import main
+
+    capsys.readouterr()  # only this command's output
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    done = subprocess.CompletedProcess(["gputrain", *args], code, out, err)
+    if check and code != 0:
+        raise AssertionError(f"gputrain {' '.join(args)} failed:\n{out[-2000:]}\n{err[-4000:]}")
+    return done
+
+
 @pytest.fixture(scope="module")
 def frames(tmp_path_factory) -> Path:
     return make_frames(tmp_path_factory.mktemp("data") / "frames", count=48, size=40, videos=2)
@@ -70,21 +85,21 @@ def test_checkpoints_are_unwrapped_and_complete(two_rank_run):
                                                                        "manifest.json"]
 
 
-def test_export_onnx_matches_pytorch(two_rank_run, tmp_path):
+def test_export_onnx_matches_pytorch(two_rank_run, tmp_path, capsys):
     out, _ = two_rank_run
-    done = gputrain("export", "onnx", "--checkpoint", str(out / "checkpoints" / "last.pt"),
-                    "--out", str(tmp_path / "ae.onnx"))
+    done = gputrain_here(capsys, "export", "onnx", "--checkpoint", str(out / "checkpoints" / "last.pt"),
+                         "--out", str(tmp_path / "ae.onnx"))
     assert (tmp_path / "ae.onnx").stat().st_size > 1000
     diff = float(done.stdout.strip().rsplit("max abs diff", 1)[1])
     assert diff < 1e-4
 
 
-def test_resume_auto_continues_the_run(two_rank_run, frames, tmp_path):
+def test_resume_auto_continues_the_run(two_rank_run, frames, tmp_path, capsys):
     out, _ = two_rank_run
     run = tmp_path / "resumed"
     subprocess.run(["cp", "-r", str(out), str(run)], check=True)
-    done = gputrain("train", "autoencoder", "--devices", "1", "--accelerator", "cpu", "--epochs", "3",
-                    "--batch-size", "16", "--data-root", str(frames), "--out", str(run), "--resume", "auto")
+    done = gputrain_here(capsys, "train", "autoencoder", "--devices", "1", "--accelerator", "cpu", "--epochs", "3",
+                         "--batch-size", "16", "--data-root", str(frames), "--out", str(run), "--resume", "auto")
     assert "epoch 3:" in done.stdout and "epoch 1:" not in done.stdout
     state = torch.load(run / "checkpoints" / "last.pt", weights_only=True)
     assert state["state"]["epoch"] == 3
@@ -96,13 +111,14 @@ def test_resume_auto_continues_the_run(two_rank_run, frames, tmp_path):
     assert sorted(two_rank["rng"]) == ["0", "1"]  # each rank's generators, so each resumes its own
 
 
-def test_corrupt_image_error_names_the_file(frames, tmp_path):
+def test_corrupt_image_error_names_the_file(frames, tmp_path, capsys):
     data = tmp_path / "frames"
     subprocess.run(["cp", "-r", str(frames), str(data)], check=True)
     victim = sorted(data.rglob("*.jpg"))[0]
     victim.write_bytes(victim.read_bytes()[:100])
-    done = gputrain("train", "autoencoder", "--accelerator", "cpu", "--epochs", "1", "--data-root", str(data),
-                    "--out", str(tmp_path / "run"), "data.val_fraction=0.0", "--strategy", "single", check=False)
+    done = gputrain_here(capsys, "train", "autoencoder", "--accelerator", "cpu", "--epochs", "1", "--data-root",
+                         str(data), "--out", str(tmp_path / "run"), "data.val_fraction=0.0", "--strategy", "single",
+                         check=False)
     assert done.returncode != 0
     assert str(victim) in done.stderr
 
@@ -113,12 +129,13 @@ def test_bad_override_is_refused_with_the_field_name(tmp_path):
 
 
 @pytest.mark.slow  # four training jobs (~20 s)
-def test_bench_scale_writes_table_json_and_plot(frames, tmp_path):
-    done = gputrain("bench", "scale", "autoencoder", "--devices", "1,2", "--batch-size", "8", "--epochs", "2",
-                    "--accelerator", "cpu", "--out", str(tmp_path), f"data.root={frames}")
+def test_bench_scale_writes_table_json_and_plot(frames, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # as ENV gives a command: the jobs inherit this process's environment
+    done = gputrain_here(capsys, "bench", "scale", "autoencoder", "--devices", "1,2", "--batch-size", "8",
+                         "--epochs", "2", "--accelerator", "cpu", "--out", str(tmp_path), f"data.root={frames}")
     rows = json.loads((tmp_path / "scale.json").read_text())
     assert [(r["devices"], r["batch_size"], r["iters_per_epoch"]) for r in rows] == [(1, 8, 6), (2, 8, 4)]
     assert rows[0]["speedup"] == 1.0 and rows[1]["efficiency"] == pytest.approx(rows[1]["speedup"] / 2)
     assert (tmp_path / "scale.png").stat().st_size > 1000
     assert "| devices | threads per process | batch size (per device) | iters per epoch (train + val) |" in done.stdout
-    assert [r["threads"] for r in rows] == [1, 1]  # ENV sets OMP_NUM_THREADS=1: kept, the same in both rows
+    assert [r["threads"] for r in rows] == [1, 1]  # OMP_NUM_THREADS=1 is kept, the same in both rows

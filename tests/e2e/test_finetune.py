@@ -62,27 +62,32 @@ def test_frozen_batchnorm_replaces_every_batchnorm_of_mask_rcnn_keeping_its_tens
         assert torch.equal(value, plain_state[key]), key
 
 
+def _train_args(out: Path, data: Path, weights: Path, *flags: str) -> list[str]:
+    return ["train", "cifar10-resnet18", "--strategy", "ddp", "--epochs", "1", "--data-root", str(data), "--out",
+            str(out), f"model.weights={weights}", "model.freeze=[backbone]", "trainer.max_steps_per_epoch=2",
+            "trainer.pictures=0", "trainer.progress_bar=false", "trainer.loggers=[]", "data.augment=false", *flags]
+
+
 def _train(out: Path, data: Path, weights: Path, *flags: str) -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "gputrain", "train", "cifar10-resnet18", "--strategy", "ddp", "--epochs", "1",
-         "--data-root", str(data), "--out", str(out), f"model.weights={weights}", "model.freeze=[backbone]",
-         "trainer.max_steps_per_epoch=2", "trainer.pictures=0", "trainer.progress_bar=false", "trainer.loggers=[]",
-         "data.augment=false", *flags],
-        capture_output=True, text=True, env=ENV, timeout=300)
+    done = subprocess.run([sys.executable, "-m", "gputrain", *_train_args(out, data, weights, *flags)],
+                          capture_output=True, text=True, env=ENV, timeout=300)
     assert done.returncode == 0, done.stderr
 
 
-def test_fine_tuning_a_frozen_backbone_keeps_it_and_two_processes_equal_one(tmp_path):
-    data = tmp_path / "cifar"
-    made = subprocess.run([sys.executable, "-m", "gputrain", "data", "make", "cifar10", "--out", str(data), "--count",
-                           "40"], capture_output=True, text=True, env=ENV)
-    assert made.returncode == 0, made.stderr
+def test_fine_tuning_a_frozen_backbone_keeps_it_and_two_processes_equal_one(tmp_path, monkeypatch):
+    from gputrain.cli import main
+    from gputrain.tools.make_data import make_dataset
+
+    # The one-process commands (data make, the 1-process run, eval) run in this process: gputrain.cli.main and the
+    # function of data make, the commands' code without a new interpreter's seconds of imports each. The 2-process
+    # run is a real gputrain launcher with real torchrun workers.
+    data = make_dataset("cifar10", tmp_path / "cifar", count=40)
     torch.manual_seed(3)
     start = torchvision.models.resnet18(weights=None).state_dict()
     start = {k: (torch.randn_like(v) * 0.05 if v.is_floating_point() else v) for k, v in start.items()}
     start.update({k: v.abs() + 0.5 for k, v in start.items() if k.endswith("running_var")})
     torch.save(start, tmp_path / "start.pth")
-    _train(tmp_path / "one", data, tmp_path / "start.pth", "--devices", "1", "--batch-size", "8")
+    assert main(_train_args(tmp_path / "one", data, tmp_path / "start.pth", "--devices", "1", "--batch-size", "8")) == 0
     _train(tmp_path / "two", data, tmp_path / "start.pth", "--devices", "2", "--batch-size", "4")
     one = torch.load(tmp_path / "one" / "checkpoints" / "last.pt", weights_only=True)["model"]
     two = torch.load(tmp_path / "two" / "checkpoints" / "last.pt", weights_only=True)["model"]
@@ -91,11 +96,10 @@ def test_fine_tuning_a_frozen_backbone_keeps_it_and_two_processes_equal_one(tmp_
             assert torch.equal(one[key], value), key
     assert not torch.equal(one["fc.weight"], two["fc.weight"] * 0)  # the head trained
     torch.testing.assert_close(one["fc.weight"], two["fc.weight"], rtol=0, atol=1e-6)
-    done = subprocess.run([sys.executable, "-m", "gputrain", "eval", "--checkpoint",
-                           str(tmp_path / "two" / "checkpoints" / "last.pt"), "--out", str(tmp_path / "eval")],
-                          capture_output=True, text=True, env={**ENV, "TORCH_HOME": str(tmp_path / "no_home")},
-                          timeout=300)
-    assert done.returncode == 0, done.stderr  # rebuilt with FrozenBatchNorm; the start weights are not fetched again
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "no_home"))
+    # rebuilt with FrozenBatchNorm; the start weights are not fetched again
+    assert main(["eval", "--checkpoint", str(tmp_path / "two" / "checkpoints" / "last.pt"), "--out",
+                 str(tmp_path / "eval")]) == 0
 
 
 def test_pretrained_tensors_get_their_own_learning_rate_and_the_head_keeps_lr(tmp_path):

@@ -2,7 +2,9 @@
 
 issue 28 item 2: the run resumed from such checkpoints, but ``eval``, ``export onnx``, ``predict`` and ``report``
 failed with "does not fit the model ... missing from the checkpoint", which sent users hunting for wrong model
-settings. One FSDP run on 2 real ranks writes the checkpoint; each tool then reads it as a user runs it.
+settings. One FSDP run on 2 real ranks writes the checkpoint; each tool then reads it as a user runs it: the
+2-process eval and the refused copy as ``gputrain`` processes, the one-process tools through ``gputrain.cli.main`` in
+this process (the command's code, without its interpreter's seconds of imports).
 """
 
 from __future__ import annotations
@@ -33,6 +35,23 @@ def gputrain(*args: str, cwd: Path) -> subprocess.CompletedProcess:
                           env=ENV, cwd=cwd, timeout=600)
 
 
+@pytest.fixture
+def gputrain_here(capsys, monkeypatch):
+    """``gputrain`` of one process run in this one (``gputrain.cli.main``, what the command runs, without a new
+    interpreter's seconds of imports), in the folder ``cwd`` as :func:`gputrain` runs it: user code found there."""
+
+    def run(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+        from gputrain.cli import main
+
+        monkeypatch.chdir(cwd)
+        monkeypatch.syspath_prepend(str(cwd))  # where `python -m gputrain` finds sharded_models; undone after
+        capsys.readouterr()  # only this command's output
+        code = main([str(a) for a in args])
+        return subprocess.CompletedProcess(["gputrain", *args], code, *capsys.readouterr())
+
+    return run
+
+
 @pytest.fixture(scope="module")
 def sharded_run(tmp_path_factory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("sharded")
@@ -46,12 +65,13 @@ def sharded_run(tmp_path_factory) -> tuple[Path, Path]:
 
 
 @pytest.mark.parametrize("devices", ["1", "2"])
-def test_eval_of_a_sharded_checkpoint_equals_the_runs_logged_val_loss(sharded_run, devices):
+def test_eval_of_a_sharded_checkpoint_equals_the_runs_logged_val_loss(sharded_run, devices, gputrain_here):
     root, run = sharded_run
     logged = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     val_loss = [r["val/loss"] for r in logged if "val/loss" in r][-1]
-    done = gputrain("eval", "--checkpoint", run / "checkpoints" / "last.pt", "--devices", devices,
-                    "--accelerator", "cpu", "--out", f"eval{devices}", cwd=root)
+    command = gputrain if devices == "2" else gputrain_here  # 2: a real launcher and its torchrun workers
+    done = command("eval", "--checkpoint", run / "checkpoints" / "last.pt", "--devices", devices,
+                   "--accelerator", "cpu", "--out", f"eval{devices}", cwd=root)
     assert done.returncode == 0, done.stderr[-2000:]
     evaluated = json.loads((root / f"eval{devices}" / "eval.json").read_text())["val/loss"]
     if devices == "2":  # the run's own layout: the same batches, the same sums, every digit
@@ -60,19 +80,20 @@ def test_eval_of_a_sharded_checkpoint_equals_the_runs_logged_val_loss(sharded_ru
         assert evaluated == pytest.approx(val_loss, rel=1e-6)
 
 
-def test_export_predict_and_report_read_a_sharded_checkpoint(sharded_run):
+def test_export_predict_and_report_read_a_sharded_checkpoint(sharded_run, gputrain_here):
     root, run = sharded_run
     checkpoint = run / "checkpoints" / "last.pt"
-    done = gputrain("export", "onnx", "--checkpoint", checkpoint, "--out", "model.onnx", cwd=root)
+    done = gputrain_here("export", "onnx", "--checkpoint", checkpoint, "--out", "model.onnx", cwd=root)
     assert done.returncode == 0 and (root / "model.onnx").stat().st_size > 0, done.stderr[-2000:]
-    done = gputrain("predict", "--checkpoint", checkpoint, "--input", root / "data" / "frames" / "video_00",
-                    "--out", "predictions", "--accelerator", "cpu", cwd=root)
+    done = gputrain_here("predict", "--checkpoint", checkpoint, "--input", root / "data" / "frames" / "video_00",
+                         "--out", "predictions", "--accelerator", "cpu", cwd=root)
     assert done.returncode == 0 and any((root / "predictions").iterdir()), done.stderr[-2000:]
-    done = gputrain("report", run, cwd=root)
+    done = gputrain_here("report", run, cwd=root)
     assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-2000:]
 
 
 def test_a_sharded_checkpoint_copied_without_its_folder_names_the_folder(sharded_run, tmp_path):
+    # A process of its own: the promise is the whole of what the user sees on stderr, warnings included.
     root, run = sharded_run
     lone = tmp_path / "last.pt"
     lone.write_bytes((run / "checkpoints" / "last.pt").read_bytes())
