@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch.utils.data import TensorDataset
 
@@ -34,9 +36,12 @@ class _Images(torch.utils.data.Dataset):
 
 
 def _train(out: str, strategy: str, devices: int, batch_size: int, accumulate: int = 1, epochs: int = 2,
-           resume: str = "", accelerator: str = "cpu", **options: object) -> dict[str, torch.Tensor]:
+           resume: str = "", accelerator: str = "cpu", model_fn: Callable[[], torch.nn.Module] = ConvAutoencoder,
+           **options: object) -> dict[str, torch.Tensor]:
+    """Final weights of the run; ``model_fn`` builds the model after seeding (the autoencoder unless a test needs
+    another image-to-image model)."""
     torch.manual_seed(0)
-    model = ConvAutoencoder()
+    model = model_fn()
     cfg = RunConfig(optim=OptimConfig(name="sgd", lr=0.5, momentum=0.9))
     trainer = Trainer(cfg, strategy=strategy, devices=devices, accelerator=accelerator, batch_size=batch_size,
                       accumulate_grad_batches=accumulate, epochs=epochs, out=out, progress_bar=False,

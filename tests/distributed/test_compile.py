@@ -2,17 +2,45 @@
 real ranks, and per stage of a model split over devices (issue 16 item 1).
 
 Inductor compiles on a CPU too (the C++ backend), so these run the real compiler, not a stand-in; its cache
-(/tmp/torchinductor_USER) makes a second run fast, a cold one costs ~20 s per graph.
+(/tmp/torchinductor_USER) makes a second run fast, a cold one pays a g++ build per fused kernel (seconds each). So
+the runs compile as little as proves the promise: a model with one of each of the autoencoder's layers (6 kernels
+for its training graphs, the autoencoder's 10), and its training graphs alone: no validation (an eval graph under
+no_grad) and no samples.png (batches of 1: a dynamic-shape graph) after the last step; neither changes the weights
+compared.
 """
 
 from __future__ import annotations
 
 import pytest
+import torch
+from torch import nn
 
 from autoencoder_runs import _max_diff, _train
 from multiproc import run_ranks
 
 pytestmark = pytest.mark.slow
+
+
+class TwoBlocks(nn.Module):
+    """The autoencoder's layout with one layer of each kind: a chain of two blocks, which fsdp shards into two units
+    and model_parallel and pipeline split into two stages. Its code between them is 4x1x1, as the autoencoder's is
+    16x1x1 here: with a code wider than 1x1 the compiled pipeline fails today (rank 0's gradient receive buffer comes
+    channels-last and gloo refuses it), a known bug of its own, not this test's subject."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.MaxPool2d(20))
+        self.decoder = nn.Sequential(nn.ConvTranspose2d(4, 3, 20, stride=20))
+
+    def chain_blocks(self) -> list[tuple[str, nn.Module]]:
+        return [("encoder", self.encoder), ("decoder", self.decoder)]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.decoder(self.encoder(x))
+
+
+# Training only: what these tests compare are the trained weights (see the module's docstring).
+TRAINING_ONLY = {"eval_every_n_epochs": 10**9, "pictures": 0}
 
 
 def _graphs() -> int:
@@ -24,6 +52,7 @@ def _graphs() -> int:
 def _eager_and_compiled(out: str, strategy: str, devices: int, **options: object) -> tuple[float | None, int, int]:
     """Max weight difference after 2 epochs (None on a rank that holds no full state dict: FSDP's and pipeline's
     are gathered on rank 0), and the graphs dynamo compiled for each run (0 for eager)."""
+    options = {"model_fn": TwoBlocks, **TRAINING_ONLY, **options}
     before = _graphs()
     eager = _train(f"{out}/eager", strategy, devices, 8, **options)
     after_eager = _graphs()

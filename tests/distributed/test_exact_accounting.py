@@ -9,6 +9,7 @@ exactly the samples it had not yet trained.
 from __future__ import annotations
 
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
@@ -37,8 +38,10 @@ def _matrix_worker(info, out: str) -> dict:
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_n_ranks_equal_one_process_at_any_dataset_size(tmp_path, world):
-    per_rank = run_ranks(_matrix_worker, str(tmp_path), world_size=world)
+def test_n_ranks_equal_one_process_at_any_dataset_size(tmp_path, world, request):
+    # 2 ranks: the launch the mid-epoch resume test below shares (see two_ranks).
+    per_rank = ([r["matrix"] for r in request.getfixturevalue("two_ranks")[1]] if world == 2
+                else run_ranks(_matrix_worker, str(tmp_path), world_size=world))
     references = {n: train(tmp_path / f"single-{n}", batch_size=GLOBAL_BATCH, n=n, epochs=1)[0] for n in SIZES}
     for n, accumulate in _combos(world):
         reference = references[n]
@@ -89,12 +92,25 @@ def _two_rank_worker(info, root: str, workers: int) -> dict:
     return {"full": full, "1->2": _resume(f"{root}/from1", 2, workers), "2->2": _resume(f"{root}/from2-on2", 2, workers)}
 
 
-def test_mid_epoch_checkpoint_resumes_exactly_on_any_world_size(tmp_path):
-    workers = 0
+def _both_worker(info, root: str) -> dict:
+    return {"matrix": _matrix_worker(info, f"{root}/matrix"), "resume": _two_rank_worker(info, root, 0)}
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> tuple[Path, list[dict]]:
+    """One 2-rank launch (its process start-up paid once) for two tests: the dataset-size matrix at 2 ranks, and
+    the mid-epoch runs on 2 ranks, which resume the 1-process run crashed here first. (root folder, by rank)."""
+    root = tmp_path_factory.mktemp("two_ranks")
+    _crash(str(root / "from1"), 1, 0)
+    return root, run_ranks(_both_worker, str(root), world_size=2)
+
+
+def test_mid_epoch_checkpoint_resumes_exactly_on_any_world_size(tmp_path, two_ranks):
+    workers = 0  # as in the 2-rank runs of the fixture
     full, full_seen, _ = train(tmp_path / "full", batch_size=16, n=N, epochs=EPOCHS, workers=workers)
-    _crash(str(tmp_path / "from1"), 1, workers)
-    per_rank = run_ranks(_two_rank_worker, str(tmp_path), workers, world_size=2)
-    two_to_one = _resume(str(tmp_path / "from2-on1"), 1, workers)
+    root, ranks = two_ranks
+    per_rank = [r["resume"] for r in ranks]
+    two_to_one = _resume(str(root / "from2-on1"), 1, workers)
 
     # Resumed from step 3 of epoch 1: the rest of epoch 1 trains each sample not in its first 3 steps
     # exactly once, then epoch 2 trains every sample once. So the first 48 ids appear once, the rest twice.
