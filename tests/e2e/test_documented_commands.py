@@ -6,8 +6,8 @@ line's own ``main`` in this process:
 
 * ``train``, ``eval`` and ``predict`` pass every check of the launcher with the documented device and node
   counts (config, strategy options, paths, checkpoint, run folder); the job itself then runs in this process as
-  one rank, for one step of each epoch on 32x32 images, so later commands find the run folders the page
-  expects (``runs/latest``, ``runs/ae``);
+  one rank, for one step of each epoch on 32x32 images (a ResNet-18 where the recipe has a ResNet-50:
+  :data:`SMALLER_MODEL`), so later commands find the run folders the page expects (``runs/latest``, ``runs/ae``);
 * ``data make`` writes into a scratch folder; ``export``, ``report``, ``env`` run as they are;
 * ``parity``, ``doctor`` and ``bench`` pass their checks of the recipe and stop before starting their ranks
   (what those do is tested in their own files);
@@ -80,6 +80,14 @@ MASK_RCNN_TINY = ["model.kwargs.min_size=64", "model.kwargs.max_size=64",
                   "model.kwargs.rpn_pre_nms_top_n_test=300", "model.kwargs.rpn_post_nms_top_n_test=100"]
 """Mask R-CNN resizes every image to its own bounds (512 in the recipe), whatever the files' size; the rest shrink
 its heads to the sample's few small objects (eval and predict read them from the checkpoint's saved config)."""
+RESNET18 = ("model.name=resnet18", "model.kwargs.cifar_stem=false")  # with ResNet-50's stem (8x8 maps into layer1)
+SMALLER_MODEL = {"imagefolder-resnet50": RESNET18, "resnet50-model-parallel": RESNET18,
+                 "ade20k-deeplabv3plus": ("model.kwargs.backbone=resnet18",),
+                 "coco-maskrcnn": ("model.kwargs.backbone=resnet18",)}
+"""A ResNet-18 for a recipe's ResNet-50 (the model; for DeepLabv3+ and Mask R-CNN the backbone, as docs/recipes.md
+runs them on a CPU), unless the command names its own: the same code paths for every flag, strategy and tool, with
+under half the layers, which is what costs here: a plan counts every layer on fake tensors for a dozen plans (a
+ResNet-50's took a minute), the exporter traces every one. The recipes' own models train in test_gpu_check.py."""
 TRAIN_TINY = ("trainer.max_steps_per_epoch=1", "trainer.progress_bar=false", "trainer.pictures=0",
               "data.num_workers=0")
 
@@ -125,8 +133,8 @@ def _skip_reason(command: Documented) -> str:
 
 def _shown_before(command: Documented) -> str:
     """Where an earlier page shows the same ``plan`` command, which runs it there (a plan writes nothing a page's
-    later commands read, and a ResNet-50's takes a minute of this suite). Other commands make run folders that
-    their page goes on with, so they run wherever they are shown."""
+    later commands read, and a split model's takes tens of seconds of this suite). Other commands make run folders
+    that their page goes on with, so they run wherever they are shown."""
     if command.argv[:1] != ("plan",):
         return ""
     first = next(c for page in PAGES for c in _commands(page) if c.argv == command.argv and c.output == command.output)
@@ -158,15 +166,21 @@ def _tiny(argv: tuple[str, ...], scratch: Path) -> list[str]:
         epochs = [] if "--epochs" in argv or any(a.startswith("trainer.epochs=") for a in argv) else ["trainer.epochs=1"]
         size = IMAGE_SIZE.get(argv[1], 0 if argv[1].endswith(".yaml") else 32)  # a saved config keeps its own
         small = [f"data.image_size={size}"] if size else MASK_RCNN_TINY if argv[1] == "coco-maskrcnn" else []
-        return [*argv, *TRAIN_TINY, *epochs, *small]
+        return [*argv, *TRAIN_TINY, *epochs, *small, *_smaller_model(argv)]
     if argv[:1] == ["plan"]:  # a real plan, at a size a CPU times in seconds
         size = IMAGE_SIZE.get(argv[1], 32)
-        return [*argv, *([f"data.image_size={size}"] if size else [])]
+        return [*argv, *([f"data.image_size={size}"] if size else []), *_smaller_model(argv)]
     if argv[:2] == ["data", "make"]:
         out = argv.index("--out") + 1
         argv[out] = str(scratch / argv[out])  # the sandbox has its sample data already
         return [*argv, "--count", "12", "--size", "32"]
     return argv
+
+
+def _smaller_model(argv: list[str]) -> list[str]:
+    overrides = SMALLER_MODEL.get(argv[1], ())
+    named = any(a.startswith(o.partition("=")[0] + "=") for o in overrides for a in argv)  # the command's own model
+    return [] if named else list(overrides)
 
 
 def _run(argv: list[str], capsys) -> tuple[int, str, str]:

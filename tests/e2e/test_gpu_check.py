@@ -19,8 +19,8 @@ import pytest
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
-TINY = {"GPU_ACC": "cpu", "EPOCHS": "1", "WORKERS": "0", "FRAMES_COUNT": "24", "CIFAR_COUNT": "60", "PER_CLASS": "4",
-        "RESNET_SIZE": "32", "ADE_COUNT": "10", "ADE_SIZE": "64", "COCO_COUNT": "10", "COCO_SIZE": "64",
+TINY = {"GPU_ACC": "cpu", "EPOCHS": "1", "WORKERS": "0", "FRAMES_COUNT": "24", "CIFAR_COUNT": "60", "PER_CLASS": "2",
+        "RESNET_SIZE": "32", "ADE_COUNT": "10", "ADE_SIZE": "64", "COCO_COUNT": "5", "COCO_SIZE": "64",
         "COCO_MIN": "64", "COCO_MAX": "64", "MP_COUNT": "20", "MP_SIZE": "32", "BATCH": "8"}
 """Sizes that run the checklist in about two minutes on 2 CPU cores."""
 
