@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 import json
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
 
+from gputrain.cli import main
 from gputrain.config import load_config
 from gputrain.data.cifar10 import make_cifar10
 from gputrain.data.imagefolder import make_frames
@@ -27,6 +31,21 @@ def gputrain(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "gputrain", *args], capture_output=True, text=True, env=ENV)
 
 
+def gputrain_here(*args: str) -> subprocess.CompletedProcess:
+    """``gputrain ARGS`` here, as ``python -m gputrain`` runs it (that process would import torch again, 3-4 s)."""
+    with warnings.catch_warnings(record=True) as caught, contextlib.redirect_stdout(io.StringIO()) as out, \
+            contextlib.redirect_stderr(io.StringIO()) as err:  # not a terminal: log lines, no bar, as from a pipe
+        warnings.resetwarnings()  # Python's defaults, not pytest's: a warning is a line of stderr, as there
+        for quiet in (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning):
+            warnings.simplefilter("ignore", quiet)
+        try:
+            code = main(list(args))
+        except SystemExit as exit_:  # python -m gputrain: sys.exit(main())
+            code = 0 if exit_.code is None else exit_.code
+    warned = "".join(warnings.formatwarning(w.message, w.category, w.filename, w.lineno) for w in caught)
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue() + warned)
+
+
 @pytest.fixture(scope="module")
 def frames(tmp_path_factory) -> Path:
     return make_frames(tmp_path_factory.mktemp("data") / "frames", count=48, size=40, videos=2)
@@ -35,8 +54,8 @@ def frames(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def planned(tmp_path_factory, frames) -> dict:
     out = tmp_path_factory.mktemp("plan") / "plan.json"
-    done = gputrain("plan", "autoencoder", "--data-root", str(frames), "--devices", "2", "--accelerator", "cpu",
-                    "--batch-size", "8", "--seed", "0", "--json", str(out))  # --seed: a train flag plan takes
+    done = gputrain_here("plan", "autoencoder", "--data-root", str(frames), "--devices", "2", "--accelerator", "cpu",
+                         "--batch-size", "8", "--seed", "0", "--json", str(out))  # --seed: a train flag plan takes
     assert done.returncode == 0, done.stderr[-3000:]
     return {"json": json.loads(out.read_text()), "stdout": done.stdout, "stderr": done.stderr}
 
@@ -166,7 +185,7 @@ def test_plan_lists_every_plan_for_two_devices_with_the_json_fields(planned):
     assert "chosen:" in planned["stdout"]
 
 
-def test_auto_chooses_a_plan_under_a_budget_that_single_exceeds_and_trains_it(planned, frames, tmp_path):
+def test_auto_chooses_a_plan_under_a_budget_that_single_exceeds_and_trains_it(planned, frames, tmp_path, monkeypatch):
     plans = planned["json"]["plans"]
     single = next(p for p in plans if p["strategy"] == "single")
     others = [p for p in plans if p["strategy"] != "single"]
@@ -174,9 +193,11 @@ def test_auto_chooses_a_plan_under_a_budget_that_single_exceeds_and_trains_it(pl
     assert smallest < single["peak_memory_bytes"] * 0.85
     budget = int((smallest / 0.9 + single["peak_memory_bytes"]) / 2)  # the smallest fits with the margin, single not
     out = tmp_path / "auto"
-    done = gputrain("train", "autoencoder", "--data-root", str(frames), "--devices", "2", "--accelerator", "cpu",
-                    "--batch-size", "16", "--strategy", "auto", "--memory-budget", str(budget), "--epochs", "1",
-                    "--out", str(out), "trainer.progress_bar=false", "trainer.measure_memory=true")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # for the ranks it starts, as ENV; pictures=0: drawing is seconds
+    done = gputrain_here("train", "autoencoder", "--data-root", str(frames), "--devices", "2", "--accelerator", "cpu",
+                         "--batch-size", "16", "--strategy", "auto", "--memory-budget", str(budget), "--epochs", "1",
+                         "--out", str(out), "trainer.progress_bar=false", "trainer.measure_memory=true",
+                         "trainer.pictures=0")
     assert done.returncode == 0, done.stderr[-3000:]
     line = next(x for x in done.stdout.splitlines() if "--strategy auto chose" in x)
     # What each rank measured over its first steps stays under the budget the plan was chosen for.
@@ -195,14 +216,13 @@ def test_auto_chooses_what_the_whole_plan_chooses_with_less_counting(tmp_path):
     plans fit, it chooses what the whole report chooses there. Planted fault: no checkpointed plan counted for the
     choice (the second budget then has none)."""
     from gputrain.tools.plan.command import make_report
-    from gputrain.tools.plan.plans import choose
 
     root = make_cifar10(tmp_path / "cifar", train_per_class=2, test_per_class=1)
-    # The split fixed: the partitioner's own choice follows measured block times, which differ from one report to
-    # the next on a loaded machine (and with them the pipelines' memory).
-    cfg = load_config("cifar10-resnet18", [f"data.root={root}", "data.image_size=32", "trainer.batch_size=8",
-                                           "trainer.strategy=ddp", "trainer.accelerator=cpu",
-                                           "parallel.split_points=[layer3]"])
+    # A conv chain (tests/plan_runs.py), not ResNet-18: a sixth of the counting. The split fixed: the partitioner
+    # follows block times each report measures anew, which on a loaded machine move the split (and the memory).
+    cfg = load_config(None, ["task=classification", "data.format=cifar10", "data.num_classes=10", f"data.root={root}",
+                             "model.name=plan_runs:conv_chain", "optim.name=sgd", "trainer.batch_size=8",
+                             "trainer.strategy=ddp", "trainer.accelerator=cpu", "parallel.split_points=[2]"])
     whole = make_report(cfg, devices=2, budget_text="100GiB")
     least_plain = min(p.peak for p in whole.plans if not p.activation_checkpointing)
     least_ac = min(p.peak for p in whole.plans if p.activation_checkpointing)
@@ -222,8 +242,8 @@ def saved_strategy(out: Path) -> str:
 
 def test_auto_with_a_budget_no_plan_fits_is_one_line_before_any_worker(frames, tmp_path):
     out = tmp_path / "none"
-    done = gputrain("train", "autoencoder", "--data-root", str(frames), "--devices", "2", "--accelerator", "cpu",
-                    "--strategy", "auto", "--memory-budget", "100KB", "--out", str(out))
+    done = gputrain_here("train", "autoencoder", "--data-root", str(frames), "--devices", "2", "--accelerator", "cpu",
+                         "--strategy", "auto", "--memory-budget", "100KB", "--out", str(out))
     assert done.returncode == 2
     assert done.stderr.strip().count("\n") == 0 and "largest global batch" in done.stderr
     assert done.stderr.startswith("gputrain: error: no plan fits ")  # the one prefix of every error
@@ -233,7 +253,7 @@ def test_auto_with_a_budget_no_plan_fits_is_one_line_before_any_worker(frames, t
 def test_a_json_path_that_cannot_be_written_is_one_line_before_planning(frames, tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("")
-    done = gputrain("plan", "autoencoder", "--data-root", str(frames), "--json", str(blocker / "plan.json"))
+    done = gputrain_here("plan", "autoencoder", "--data-root", str(frames), "--json", str(blocker / "plan.json"))
     assert done.returncode == 2 and done.stderr.startswith("gputrain: error: --json ") and "chosen:" not in done.stdout
     assert done.stderr.strip().count("\n") == 0
 
