@@ -30,10 +30,10 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 RECIPE = ["cifar10-resnet18", "trainer.strategy=ddp", "data.image_size=32", "optim.name=adam"]
 MEASURED = ["ddp", "fsdp", "pipeline-gpipe", "pipeline-1f1b", "ddp+ac", "pipeline-1f1b+ac"]
 SMALL_MEASURED = ["pipeline-gpipe", "pipeline-1f1b+ac"]  # the autoencoder's (test_a_small_models_...)
-# What each run adds to its plan's overrides (as the command line `gputrain train` took in each).
+# What each run adds to its plan's overrides: the two measured steps, and no evaluation after them.
 TRAINED = ["trainer.accelerator=cpu", "trainer.epochs=1", "trainer.max_steps_per_epoch=2",
-           "trainer.measure_memory=true", "trainer.enable_checkpointing=false", "trainer.loggers=[]",
-           "trainer.pictures=0", "trainer.progress_bar=false"]
+           "trainer.measure_memory=true", "trainer.eval_every_n_epochs=2", "trainer.enable_checkpointing=false",
+           "trainer.loggers=[]", "trainer.pictures=0", "trainer.progress_bar=false"]
 
 
 def gputrain(*args: str) -> subprocess.CompletedProcess:
