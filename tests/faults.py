@@ -1154,8 +1154,8 @@ FAULTS: tuple[Fault, ...] = (
           ("tests/distributed/test_parity_timeout.py::test_a_mode_that_times_out_is_named_as_that_modes_timeout_and_neither_its_predecessor_nor_the_next_is_blamed",)),
     Fault("[43] a parity mode finished before a later mode failed is lost with its stopped rank",
           "src/gputrain/tools/diagnose/parity.py",
-          (('            done[mode.name] = save_mode_result(kwargs["out"], mode.name, info.rank, {"ok": True, **value})',
-            '            done[mode.name] = {"ok": True, **value}'),),
+          (('            atomic_save({"ok": True, **value}, mode_result_path(kwargs["out"], mode.name, info.rank))\n'
+            '            done[mode.name] = {"ok": True}', '            done[mode.name] = {"ok": True, **value}'),),
           ("tests/distributed/test_parity_timeout.py::"
            "test_a_mode_that_times_out_is_named_as_that_modes_timeout_and_neither_its_predecessor_nor_the_next_is_blamed",)),
     Fault("[43] the README's model-parallel example trains the recipe's 10 epochs", "README.md",

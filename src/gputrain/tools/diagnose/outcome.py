@@ -8,8 +8,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
 
 @dataclass
 class RankOutcome:
@@ -56,13 +54,9 @@ def open_records() -> None:
         _records_file = open(Path(folder) / f"records{os.environ.get('RANK', '0')}.jsonl", "a")  # noqa: SIM115
 
 
-def save_mode_result(folder: str, mode: str, rank: int, value: dict[str, Any]) -> dict[str, Any]:
-    """Write one rank's finished mode to ``folder`` (whole or absent); returns the small stand-in the rank keeps."""
-    path = Path(folder) / f"{mode}.rank{rank}.pt"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(value, path.with_suffix(".partial"))
-    path.with_suffix(".partial").replace(path)
-    return {"ok": True, "saved": str(path)}
+def mode_result_path(folder: str, mode: str, rank: int) -> Path:
+    """Where a rank keeps a diagnostic mode's result as the mode ends (read back if the rank is stopped later)."""
+    return Path(folder) / f"{mode}.rank{rank}.pt"
 
 
 def read_records(path: Path) -> list[dict[str, Any]]:

@@ -37,12 +37,13 @@ from typing import Any
 
 import torch
 
+from gputrain.checkpoint.files import atomic_save
 from gputrain.config import RunConfig, TrainerConfig, load_config
 from gputrain.dist import DistInfo
 from gputrain.engine.hooks import Hook, RunContext
 from gputrain.strategies import processes_per_node, strategy_class
 from gputrain.tools.diagnose import MODE_NAMES, probes
-from gputrain.tools.diagnose.outcome import append_record, save_mode_result
+from gputrain.tools.diagnose.outcome import append_record, mode_result_path
 from gputrain.tools.diagnose.parity_compare import ModeResult, ParityReport, collect_outcomes, compare
 from gputrain.tools.diagnose.ranks import (
     BETWEEN_MODES,
@@ -190,8 +191,8 @@ def _parity_ranks(info: DistInfo, build: Callable[[], Any], cfg: RunConfig, mode
                                    f"{BETWEEN_MODES * kwargs['timeout_s']:.0f} s of this one ({one_line(err)[:120]})") from err
             value = run_mode(build, cfg, mode, hooks=mode_hooks.get(mode.name, ()), out=f"{kwargs['out']}/{mode.name}",
                              **{k: v for k, v in kwargs.items() if k != "out"})
-            # Kept as the mode ends: if a later mode fails and this rank is stopped, this mode is still reported.
-            done[mode.name] = save_mode_result(kwargs["out"], mode.name, info.rank, {"ok": True, **value})
+            atomic_save({"ok": True, **value}, mode_result_path(kwargs["out"], mode.name, info.rank))
+            done[mode.name] = {"ok": True}  # kept on disk: reported even if this rank is stopped in a later mode
         except Exception as err:  # noqa: BLE001 (reported per mode; a broken process group ends the rest)
             done[mode.name] = {"ok": False, "error": named_timeout(err, kwargs["timeout_s"]),
                                "last_collective": flight_recorder_last()}

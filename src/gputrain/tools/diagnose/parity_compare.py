@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from gputrain.tools.diagnose.outcome import RankOutcome, describe_failure
+from gputrain.tools.diagnose.outcome import RankOutcome, describe_failure, mode_result_path
 
 
 @dataclass
@@ -261,7 +260,7 @@ def compare(results: dict[str, ModeResult], skipped: dict[str, str], order: list
 def _mode_value(outcome: RankOutcome, folder: str, mode: str) -> dict[str, Any] | None:
     """What one rank reported for ``mode``: its saved result when it finished the mode (even if the rank was stopped
     later, in another mode), else the failure it returned, else None (it never got there)."""
-    saved = Path(folder) / f"{mode}.rank{outcome.rank}.pt"
+    saved = mode_result_path(folder, mode, outcome.rank)
     if saved.is_file():
         value: dict[str, Any] = torch.load(saved, weights_only=True)
         return value
