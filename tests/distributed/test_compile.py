@@ -23,14 +23,13 @@ pytestmark = pytest.mark.slow
 
 class TwoBlocks(nn.Module):
     """The autoencoder's layout with one layer of each kind: a chain of two blocks, which fsdp shards into two units
-    and model_parallel and pipeline split into two stages. Its code between them is 4x1x1, as the autoencoder's is
-    16x1x1 here: with a code wider than 1x1 the compiled pipeline fails today (rank 0's gradient receive buffer comes
-    channels-last and gloo refuses it), a known bug of its own, not this test's subject."""
+    and model_parallel and pipeline split into two stages. Its code between them is 4x2x2, wider than 1x1: a compiled
+    stage may pass it (and its gradient) on channels-last, which gloo refuses unless the stage makes it contiguous."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.encoder = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.MaxPool2d(20))
-        self.decoder = nn.Sequential(nn.ConvTranspose2d(4, 3, 20, stride=20))
+        self.encoder = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.MaxPool2d(10))
+        self.decoder = nn.Sequential(nn.ConvTranspose2d(4, 3, 10, stride=10))
 
     def chain_blocks(self) -> list[tuple[str, nn.Module]]:
         return [("encoder", self.encoder), ("decoder", self.decoder)]

@@ -165,7 +165,7 @@ class PipelinedModel(nn.Module):
         if key not in self._runs:
             assert self.stage is not None
             o, n = self.options, len(chunks)
-            stage = PipelineStage(self.stage, self.info.rank, o.stages, self.info.device)
+            stage = PipelineStage(_ContiguousOutputs(self.stage), self.info.rank, o.stages, self.info.device)
             # 1F1B needs at least as many chunks as stages; a short remainder runs as GPipe (same arithmetic).
             kind = Schedule1F1B if o.schedule == "1f1b" and n >= o.stages else ScheduleGPipe
             self._runs[key] = _Run(stage, kind(stage, n, loss_fn=self._chunk_loss if train else None,
@@ -222,6 +222,34 @@ class PipelinedModel(nn.Module):
         if self.is_last:
             return cat_outputs(outputs)
         return _stand_in(meta, batch_len(x), self.info.device)
+
+
+class _ContiguousOutputs(nn.Module):
+    """A stage whose outputs, and the gradients it sends back for its inputs, are contiguous. torch's stages size
+    their receive buffers with the strides the other side produced, and a compiled stage may produce channels-last
+    ones (its outputs, or its inputs' gradients); gloo refuses to send or receive a strided tensor."""
+
+    def __init__(self, stage: nn.Module) -> None:
+        super().__init__()
+        self.stage = stage
+
+    def forward(self, *state: torch.Tensor) -> Any:
+        out = self.stage(*(_ContiguousGrad.apply(t) if t.requires_grad else t for t in state))
+        if isinstance(out, torch.Tensor):
+            return out.contiguous()
+        return tuple(t.contiguous() for t in out)
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity forward; a contiguous gradient backward."""
+
+    @staticmethod
+    def forward(ctx: Any, t: torch.Tensor) -> torch.Tensor:
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
 
 
 def _meta(out: Any) -> Any:
