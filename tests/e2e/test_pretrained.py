@@ -162,3 +162,24 @@ def test_a_state_dict_saved_from_a_ddp_wrapped_model_loads_without_its_module_pr
                                                weights=str(tmp_path / "ddp.pth")), "resnet18", num_classes=10)
     own = model.state_dict()
     assert all(torch.equal(own[k], v) for k, v in state.items())
+
+
+def test_any_torchvision_models_weights_by_name_load_with_a_head_for_the_data(torch_home, capsys):
+    # MobileNetV3-Small's ImageNet weights, as torchvision names their file, prepared in the hub cache (random values).
+    url = torchvision.models.MobileNet_V3_Small_Weights.IMAGENET1K_V1.url
+    torch.manual_seed(3)
+    saved = {k: (torch.randn_like(v) if v.is_floating_point() else v)
+             for k, v in torchvision.models.mobilenet_v3_small(weights=None).state_dict().items()}
+    (torch_home / "hub" / "checkpoints").mkdir(parents=True)
+    torch.save(saved, torch_home / "hub" / "checkpoints" / Path(url).name)
+    cfg = ModelConfig(name="mobilenet_v3_small", weights="IMAGENET1K_V1")
+    model = build_configured_model(cfg, "resnet18", kind="classification", num_classes=4, input_size=(32, 32))
+    own = model.state_dict()
+    assert own["classifier.3.weight"].shape == (4, 1024)
+    assert all(torch.equal(own[k], v) for k, v in saved.items() if not k.startswith("classifier.3."))
+    line = capsys.readouterr().err.strip()
+    assert line.startswith(f"gputrain: model.weights=IMAGENET1K_V1 ({Path(url).name}): loaded ")
+    assert line.endswith("kept fresh (not in the weights or another shape): classifier.3.{weight,bias}")
+    with pytest.raises(ValueError, match=r"^model.weights='COCO_V1' is not a weights name of torchvision's "
+                                         r"mobilenet_v3_small; valid: IMAGENET1K_V1, DEFAULT$"):
+        weights_source("mobilenet_v3_small", {}, "COCO_V1")

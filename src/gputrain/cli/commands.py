@@ -66,6 +66,7 @@ def _prepare(cfg: RunConfig, args: argparse.Namespace) -> tuple[RunConfig, list[
         print(note, flush=True)
     preflight.check_packages(cfg)
     preflight.check_data_paths(cfg)
+    preflight.check_model(cfg)
     preflight.fetch_weights(cfg)
     return cfg, extra
 
@@ -142,6 +143,7 @@ def cmd_plan(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
         parse_size(args.memory_budget)  # before torch: a typo answers at once
     preflight.check_data_paths(cfg)
+    preflight.check_model(cfg)
     from gputrain.tools.plan.command import cmd_plan as run
 
     return run(cfg, recipe=args.recipe, devices=args.devices or cfg.trainer.devices, nnodes=args.nnodes,
@@ -204,6 +206,7 @@ def _check_recipe(args: argparse.Namespace) -> None:
     cfg = load_config(args.recipe, list(args.overrides))
     preflight.check_packages(cfg)
     preflight.check_data_paths(cfg)
+    preflight.check_model(cfg)
     preflight.fetch_weights(cfg)
 
 

@@ -104,6 +104,25 @@ def devices_note(strategy: str, devices: int, accelerator: str) -> str:
             f"processes ({where}); use --strategy ddp for one process per device")
 
 
+def check_model(cfg: RunConfig) -> None:
+    """A ``model.name`` that is no model of the task's kind, refused in one line before any worker starts.
+
+    Only a torchvision name is looked up (importing torchvision costs seconds): built-in names and
+    ``package.module:function`` are checked where they are built."""
+    from gputrain.tasks import model_kind
+
+    name, kind = cfg.model.name, model_kind(cfg)
+    if kind and name and ":" not in name:
+        from gputrain.models import check_model_name, timm_zoo
+        from gputrain.models.zoo import check_splits
+
+        check_model_name(name, kind)
+        if timm_zoo.is_timm(name):
+            timm_zoo.check_splits(name, cfg.trainer.strategy)
+        else:
+            check_splits(name, cfg.trainer.strategy, cfg.model.kwargs)
+
+
 def fetch_weights(cfg: RunConfig) -> None:
     """Fetch ``model.weights`` into the torch hub cache once per node, before any worker starts.
 

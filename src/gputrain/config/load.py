@@ -59,6 +59,7 @@ def load_config(recipe: str | None = None, overrides: list[str] | None = None, *
         if overrides:
             merged_layers.append(dotlist(overrides))
             refuse_removed(OmegaConf.to_container(merged_layers[-1]), "the override")
+            _drop_other_models_kwargs(merged_layers)
         merged = OmegaConf.merge(*merged_layers)
         cfg = OmegaConf.to_object(merged)
     except OmegaConfBaseException as err:
@@ -68,6 +69,23 @@ def load_config(recipe: str | None = None, overrides: list[str] | None = None, *
     assert isinstance(cfg, RunConfig)
     validate(cfg)
     return cfg
+
+
+def _drop_other_models_kwargs(layers: list[DictConfig]) -> None:
+    """An override that names another model drops the earlier layers' ``model.kwargs``: they were options of the
+    recipe's model (``cifar_stem``, a DeepLabv3+ backbone, Mask R-CNN's image scale), which another builder would
+    refuse or silently ignore. Kwargs given with the new name (``model.kwargs.dropout=0.3``) are kept; a note says
+    what was dropped."""
+    override = layers[-1].get("model") or {}
+    earlier = OmegaConf.merge(*layers[:-1]).model
+    if "name" not in override or override["name"] == earlier.name or not earlier.kwargs:
+        return
+    for layer in layers[:-1]:
+        if "model" in layer and "kwargs" in layer.model:
+            layer.model.kwargs = {}
+    dropped = ", ".join(f"{k}={v}" for k, v in earlier.kwargs.items())
+    print(f"gputrain: model.name={override['name']} replaces {earlier.name}; its model.kwargs ({dropped}) are "
+          "dropped, as they were options of that model (pass model.kwargs.* for the new one)", flush=True)
 
 
 def config_from_dict(data: dict[str, Any]) -> RunConfig:

@@ -1,4 +1,5 @@
-"""Model builders. Built-in names map to functions in this package; any ``package.module:function`` works too.
+"""Model builders. Built-in names map to functions in this package; any other torchvision model by its torchvision
+name (:mod:`gputrain.models.zoo`); any ``package.module:function`` too.
 
 Model code knows nothing about parallelism: strategies wrap models, models never wrap themselves.
 """
@@ -10,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from gputrain.extras import resolve
+from gputrain.models import timm_zoo
 
 if TYPE_CHECKING:
     from gputrain.config import ModelConfig
@@ -21,27 +23,55 @@ BUILTIN_MODELS: dict[str, str] = {
     "deeplabv3plus": "gputrain.models.deeplabv3plus:DeepLabV3Plus",
     "maskrcnn_resnet50_fpn": "gputrain.models.vision:maskrcnn",
 }
+BUILTIN_KINDS: dict[str, str] = {"resnet18": "classification", "resnet50": "classification",
+                                 "deeplabv3plus": "segmentation", "maskrcnn_resnet50_fpn": "detection"}
+"""The kind of task each built-in model serves (the autoencoder serves its own task alone)."""
 
 
 def build_model(name: str, **kwargs: Any) -> nn.Module:
-    """``name`` is a key of :data:`BUILTIN_MODELS` or ``package.module:function``."""
+    """``name`` is a key of :data:`BUILTIN_MODELS`, a torchvision model name, or ``package.module:function``."""
     target = BUILTIN_MODELS.get(name, name)
+    if timm_zoo.is_timm(name):
+        return timm_zoo.build(name, **kwargs)
     if ":" not in target:
-        raise ValueError(f"model.name={name!r} is unknown; built-in: {sorted(BUILTIN_MODELS)}, or package.module:function")
+        from gputrain.models import zoo
+
+        kind = zoo.kind_of(name)
+        if kind is None:
+            raise ValueError(f"model.name={name!r} is unknown; built-in: {sorted(BUILTIN_MODELS)}, a torchvision model "
+                             "name (docs/models.md), or package.module:function")
+        return zoo.build(name, kind, **kwargs)
     model = resolve(target, field="model.name")(**kwargs)
     if not isinstance(model, nn.Module):
         raise TypeError(f"model.name={name!r} returned {type(model).__name__}, not an nn.Module")
     return model
 
 
-def build_configured_model(cfg: ModelConfig, default: str, **derived: Any) -> nn.Module:
+def check_model_name(name: str, kind: str) -> None:
+    """Refuse in one line a ``model.name`` that is no model of the task's ``kind`` (before any worker starts)."""
+    if kind and timm_zoo.is_timm(name):
+        timm_zoo.check_name(name, kind)
+    elif kind and name and name not in BUILTIN_MODELS and ":" not in name:
+        from gputrain.models import zoo
+
+        zoo.check_name(name, kind, [n for n, k in BUILTIN_KINDS.items() if k == kind])
+
+
+def build_configured_model(cfg: ModelConfig, default: str, *, kind: str = "", input_size: tuple[int, int] | None = None,
+                           **derived: Any) -> nn.Module:
     """Build ``cfg``'s model, first writing the resolved name and kwargs back into ``cfg``.
 
-    Tasks derive some arguments from the data (``num_classes``); recording them in the config that
-    is saved with every checkpoint lets export and evaluation rebuild the same model without the data.
-    Explicit ``model.kwargs`` win over derived values.
+    Tasks derive some arguments from the data (``num_classes``; for a torchvision model of the task's ``kind``,
+    what its builder needs from the data's ``input_size``); recording them in the config that is saved with every
+    checkpoint lets export and evaluation rebuild the same model without the data. Explicit ``model.kwargs`` win
+    over derived values.
     """
     cfg.name = cfg.name or default
+    check_model_name(cfg.name, kind)
+    if kind and cfg.name not in BUILTIN_MODELS and ":" not in cfg.name and not timm_zoo.is_timm(cfg.name):
+        from gputrain.models import zoo
+
+        derived = {**derived, **zoo.derived_kwargs(cfg.name, kind, input_size)}
     cfg.kwargs = {**derived, **cfg.kwargs}
     model = build_model(cfg.name, **cfg.kwargs)
     if cfg.weights:

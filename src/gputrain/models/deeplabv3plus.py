@@ -19,7 +19,7 @@ from torchvision.models._utils import IntermediateLayerGetter
 from torchvision.models.segmentation.deeplabv3 import ASPP
 
 from gputrain.models.vision import load_weights
-from gputrain.nn.chain import Block, First, StartWithSize
+from gputrain.nn.chain import Block, First, StartWithSize, Upsample
 
 BOTTLENECK_BACKBONES = ("resnet50", "resnet101")
 """Bottleneck blocks support dilation, so these reach output stride 16 or 8."""
@@ -128,7 +128,7 @@ class DeepLabV3Plus(nn.Module):
             ("aspp", First(self.aspp)),
             ("fuse", _Fuse(self.fuse)),
             ("classifier", First(self.classifier)),
-            ("upsample", _Upsample()),
+            ("upsample", Upsample()),
         ]
         return blocks
 
@@ -161,10 +161,3 @@ class _Fuse(nn.Module):
         high = F.interpolate(high, size=low.shape[-2:], mode="bilinear", align_corners=False)
         return self.fuse(torch.cat([high, low], dim=1)), size
 
-
-class _Upsample(nn.Module):
-    """DeepLabv3+: bilinear upsampling of the logits to the carried input size."""
-
-    def forward(self, state: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        logits, size = state
-        return F.interpolate(logits, size=size.shape[-2:], mode="bilinear", align_corners=False)

@@ -1,7 +1,7 @@
-"""Pretrained weights for built-in models: ``model.weights`` as a torchvision name, a local file or a URL.
+"""Pretrained weights: ``model.weights`` as a torchvision name, a timm tag, a local file or a URL.
 
 A torchvision name (``DEFAULT``, ``IMAGENET1K_V1``, ``COCO_V1``, ... as torchvision spells them for the
-model; for DeepLabv3+ its ResNet backbone's) resolves through torchvision's own weights API to a URL.
+model, any torchvision model gputrain builds; for DeepLabv3+ its ResNet backbone's) resolves through torchvision's own weights API to a URL.
 URLs are fetched into the torch hub cache (``$TORCH_HOME/hub/checkpoints``) with torch.hub's download,
 which checks the hash prefix that torchvision puts in its file names. The launcher fetches once per
 node before any worker starts (:func:`fetch`); workers then find the file in the cache and only load it.
@@ -24,6 +24,8 @@ from urllib.parse import urlparse
 import torch
 from torch import nn
 
+from gputrain.models import timm_zoo
+
 TORCHVISION_MODEL = {"resnet18": "resnet18", "resnet50": "resnet50", "maskrcnn_resnet50_fpn": "maskrcnn_resnet50_fpn"}
 """gputrain's built-in model name -> the torchvision model whose weights it takes (DeepLabv3+: its backbone's)."""
 KEY_PREFIX = {"deeplabv3plus": "backbone."}
@@ -45,10 +47,14 @@ def _torchvision_name(model_name: str, kwargs: dict[str, Any]) -> str:
     if model_name == "maskrcnn_resnet50_fpn" and kwargs.get("backbone", "resnet50") != "resnet50":
         raise ValueError(f"model.weights: torchvision has COCO weights for Mask R-CNN on resnet50 only, not "
                          f"model.kwargs.backbone={kwargs['backbone']!r}; drop the backbone option or model.weights")
-    if model_name not in TORCHVISION_MODEL:
-        raise ValueError(f"model.weights by name needs a built-in torchvision model ({sorted(TORCHVISION_MODEL)} or "
-                         f"deeplabv3plus), not model.name={model_name!r}; pass a file path or URL instead")
-    return TORCHVISION_MODEL[model_name]
+    if model_name in TORCHVISION_MODEL:
+        return TORCHVISION_MODEL[model_name]
+    from gputrain.models.zoo import kind_of
+
+    if kind_of(model_name) is None:
+        raise ValueError(f"model.weights by name needs a torchvision model (docs/models.md), not "
+                         f"model.name={model_name!r}; pass a file path or URL instead")
+    return model_name
 
 
 def hub_checkpoints() -> Path:
@@ -60,12 +66,14 @@ def weights_source(model_name: str, kwargs: dict[str, Any], weights: str) -> Wei
     """Resolve ``model.weights`` (no download); a name unknown to torchvision is one line listing the valid ones."""
     if weights.startswith(("http://", "https://")):
         return WeightsSource(weights, hub_checkpoints() / Path(urlparse(weights).path).name, weights)
-    if os.sep in weights or weights.endswith((".pt", ".pth")) or Path(weights).exists():
+    if os.sep in weights or weights.endswith((".pt", ".pth", ".safetensors")) or Path(weights).exists():
         path = Path(weights).expanduser()
         if not path.is_file():
             raise FileNotFoundError(f"model.weights={weights!r} is not a file; pass a state_dict file, a URL or a "
                                     f"torchvision weights name such as DEFAULT")
         return WeightsSource(weights, path)
+    if timm_zoo.is_timm(model_name):  # a tag of timm's, from the Hugging Face hub: path known once fetched
+        return WeightsSource(weights, Path(), f"hf://{timm_zoo.weights_repo(model_name, weights)}")
     import torchvision
 
     tv_name = _torchvision_name(model_name, kwargs)
@@ -79,6 +87,12 @@ def weights_source(model_name: str, kwargs: dict[str, Any], weights: str) -> Wei
 
 def fetch(source: WeightsSource) -> Path:
     """The weights file on disk: downloaded into the hub cache (hash-checked) unless it is there already."""
+    if source.url.startswith("hf://"):  # the cached file without asking the hub first, as torch.hub's cache does
+        repo = source.url.removeprefix("hf://")
+        try:
+            return timm_zoo.download(repo, source.given, local_only=True)
+        except ValueError:
+            return timm_zoo.download(repo, source.given)
     if source.path.is_file() or not source.url:
         return source.path
     source.path.parent.mkdir(parents=True, exist_ok=True)
@@ -97,7 +111,13 @@ def apply_pretrained(model: nn.Module, model_name: str, kwargs: dict[str, Any], 
     """Load ``weights`` into ``model``: every tensor whose name and shape fit; the rest are named in one line."""
     source = weights_source(model_name, kwargs, weights)
     path = fetch(source)
-    state = torch.load(path, map_location="cpu", weights_only=True)
+    state: Any
+    if path.suffix == ".safetensors":  # timm's weights on the hub
+        from safetensors.torch import load_file
+
+        state = load_file(path)
+    else:
+        state = torch.load(path, map_location="cpu", weights_only=True)
     if isinstance(state, dict) and isinstance(state.get("model"), dict):
         state = state["model"]
     if not isinstance(state, dict):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 Block = tuple[str, nn.Module]
 
@@ -41,3 +42,12 @@ class StartWithSize(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         n, _, h, w = x.shape
         return self.module(x), torch.empty((n, 0, h, w), dtype=torch.uint8, device=x.device)
+
+
+class Upsample(nn.Module):
+    """Bilinear upsampling of the logits to the input size carried since :class:`StartWithSize` (a segmentation
+    model's last step)."""
+
+    def forward(self, state: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        logits, size = state
+        return F.interpolate(logits, size=size.shape[-2:], mode="bilinear", align_corners=False)

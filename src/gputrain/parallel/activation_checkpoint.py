@@ -64,6 +64,14 @@ def is_checkpointed(module: nn.Module) -> bool:
     return type(module) in _SUBCLASSES.values()
 
 
+def _acts_in_place(module: nn.Module) -> bool:
+    """A Sequential whose first layer overwrites its input (EfficientNet's and MNASNet's heads start with an in-place
+    Dropout): recomputing it would find its saved input changed, so it is left out; such heads hold one Linear on
+    pooled features, nothing worth recomputing."""
+    first = next(iter(module.children()), None)
+    return isinstance(module, nn.Sequential) and bool(getattr(first, "inplace", False))
+
+
 def checkpoint_blocks(model: nn.Module, *, children_in_order: bool = False) -> list[str]:
     """Checkpoint the blocks of ``model``'s chain that hold submodules; their names. A model without a chain raises
     a one-line ValueError naming the option."""
@@ -77,7 +85,7 @@ def checkpoint_blocks(model: nn.Module, *, children_in_order: bool = False) -> l
         # A chain may wrap a model's module to pass its state along (DeepLabv3+'s tuple): checkpoint the module the
         # model itself calls, not the wrapper.
         for module in [block] if id(block) in owned else [m for m in block.children() if id(m) in owned]:
-            if any(True for _ in module.children()) and not is_checkpointed(module):
+            if any(True for _ in module.children()) and not is_checkpointed(module) and not _acts_in_place(module):
                 module.__class__ = _checkpointed(type(module))
                 names.append(name)
     if not names:

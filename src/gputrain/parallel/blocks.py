@@ -53,21 +53,30 @@ def _resnet_blocks(model: torchvision.models.ResNet) -> list[Block]:
 def sequential_blocks(model: nn.Module, *, children_in_order: bool = False) -> list[Block]:
     """The named blocks of ``model`` that, applied in order, compute ``model(x)``.
 
-    Known shapes: torchvision ``ResNet`` (conv1 ... avgpool, flatten, fc), ``nn.Sequential`` (its
+    Known shapes: torchvision ``ResNet`` (conv1 ... avgpool, flatten, fc), torchvision's other classifier
+    families that are chains (:mod:`gputrain.parallel.families`), ``nn.Sequential`` (its
     children, named "0", "1", ...), :class:`ConvAutoencoder` (encoder, decoder) and
     :class:`DeepLabV3Plus` (conv1 ... layer1, reduce, layer2 ... layer4, aspp, fuse, classifier,
     upsample; a tuple state). ``children_in_order=True`` (the user gave split points) accepts any
     other model's top-level children as the chain: the user vouches that they run in order, and
     :func:`~gputrain.parallel.chain_check.check_blocks` verifies it on the first batch. Other models raise a one-line ValueError.
     """
+    from gputrain.parallel.families import family_blocks, is_known_non_chain
+
+    family = family_blocks(model)
     if _is_plain(model, torchvision.models.ResNet, "forward", "_forward_impl"):
         blocks = _resnet_blocks(model)  # type: ignore[arg-type]
+    elif family is not None:
+        blocks = family
     elif _is_plain(model, nn.Sequential, "forward"):
         blocks = list(model.named_children())
     elif _describes_its_chain(model):
         blocks = model.chain_blocks()  # type: ignore[operator]
     elif children_in_order and len(list(model.children())) > 1:
         blocks = list(model.named_children())
+    elif is_known_non_chain(model):
+        raise ValueError(f"cannot split torchvision's {type(model).__name__} into a chain of blocks (its forward is no "
+                         f"chain: docs/models.md); train it with strategy single, ddp, dp or fsdp")
     else:
         raise ValueError(f"cannot split {type(model).__name__} into a chain of blocks; {SPLIT_HELP}")
     return blocks

@@ -23,13 +23,17 @@ class Registered:
     """Optional packages it needs (data loading, evaluation): checked before any worker starts."""
     uint8_batches: bool = True
     """Whether it can send its training images as ``uint8`` to be normalised on the device (data.normalize_on_device)."""
+    model_kind: str = ""
+    """The kind of torchvision model ``model.name`` may name for it (classification, detection, segmentation)."""
 
 
 TASKS: dict[str, Registered] = {
     "autoencoder": Registered("gputrain.tasks.autoencoder", {"": "imagefolder"}),
-    "classification": Registered("gputrain.tasks.classification", {"cifar10": "cifar10", "classfolder": "classfolder"}),
-    "segmentation": Registered("gputrain.tasks.segmentation", {"": "ade20k"}),
-    "detection": Registered("gputrain.tasks.detection", {"": "coco"}, packages=("pycocotools",)),
+    "classification": Registered("gputrain.tasks.classification", {"cifar10": "cifar10", "classfolder": "classfolder"},
+                                 model_kind="classification"),
+    "segmentation": Registered("gputrain.tasks.segmentation", {"": "ade20k"}, model_kind="segmentation"),
+    "detection": Registered("gputrain.tasks.detection", {"": "coco"}, packages=("pycocotools",),
+                            model_kind="detection"),
 }
 """The built-in tasks, each one line: adding a task is a module with ``build`` (and ``for_prediction``) and its line
 here (docs/architecture.md)."""
@@ -42,6 +46,12 @@ def sample_data_kind(cfg: RunConfig) -> str:
     """The ``gputrain data make`` kind of the run's task and ``data.format``, or "" (a task of your own)."""
     task = TASKS.get(cfg.task)
     return "" if task is None else task.sample_data.get(cfg.data.format or "", task.sample_data.get("", ""))
+
+
+def model_kind(cfg: RunConfig) -> str:
+    """The kind of torchvision model the run's task trains ("" for a task of your own, or the autoencoder)."""
+    task = TASKS.get(cfg.task)
+    return "" if task is None else task.model_kind
 
 
 def check_task_options(cfg: RunConfig) -> None:

@@ -141,7 +141,9 @@ def build(cfg: RunConfig) -> TaskSpec:
     num_classes = cfg.data.num_classes or found
     if num_classes != found:
         raise ValueError(f"data.num_classes={num_classes} but {cfg.data.root} has {found} classes; set it to {found}")
-    model = build_configured_model(cfg.model, "resnet18", num_classes=num_classes)
+    example = val[0][0].unsqueeze(0)
+    model = build_configured_model(cfg.model, "resnet18", kind="classification", num_classes=num_classes,
+                                   input_size=(int(example.shape[-2]), int(example.shape[-1])))
     mean, std = _stats(cfg)
     task = ClassificationTask(num_classes, class_names=_class_names(cfg), mean=mean, std=std)
     if cfg.data.format == "classfolder" and on_device_decoding(cfg):
@@ -151,5 +153,4 @@ def build(cfg: RunConfig) -> TaskSpec:
                                                                      train=cfg.data.augment))
     elif normalize_on_device(cfg):
         task.train_collate = PixelCollate(mean, std)
-    return TaskSpec(task=task, model=model, train_data=train, val_data=val,
-                    example_input=val[0][0].unsqueeze(0))
+    return TaskSpec(task=task, model=model, train_data=train, val_data=val, example_input=example)

@@ -21,6 +21,7 @@ from gputrain.data.images import to_unit_float
 from gputrain.metrics.base import Evaluator
 from gputrain.metrics.detection import CocoEvaluator
 from gputrain.models import build_configured_model
+from gputrain.models.zoo import detects_masks
 from gputrain.tasks.base import Task
 from gputrain.tasks.draw import SCORE_THRESHOLD, draw_detections, write_pictures
 from gputrain.tasks.spec import TaskSpec
@@ -33,9 +34,12 @@ class DetectionTask(Task):
     fixed_shapes = False
 
     def __init__(self, val_annotations: Path, label_to_category: dict[int, int], *,
-                 class_names: list[str] | None = None, image_ids: dict[str, int] | None = None) -> None:
+                 class_names: list[str] | None = None, image_ids: dict[str, int] | None = None,
+                 masks: bool = True) -> None:
         super().__init__()
         self.val_annotations, self.label_to_category = val_annotations, label_to_category
+        self.masks = masks
+        """Whether the model predicts masks (Mask R-CNN) or boxes alone: box mAP, and mask mAP with masks."""
         self.class_names = class_names
         """By model label: ``background`` then the categories in increasing id order."""
         self.image_ids = image_ids or {}
@@ -95,7 +99,8 @@ class DetectionTask(Task):
         return model(inputs), None
 
     def evaluator(self) -> Evaluator:
-        return CocoEvaluator(self.val_annotations, iou_types=("bbox", "segm"), label_to_category=self.label_to_category)
+        return CocoEvaluator(self.val_annotations, iou_types=("bbox", "segm") if self.masks else ("bbox",),
+                             label_to_category=self.label_to_category)
 
 
 def _annotation_files(cfg: RunConfig) -> tuple[Path, Path, Path, Path]:
@@ -143,7 +148,8 @@ def for_prediction(cfg: RunConfig, *, annotations: str = "") -> tuple[Task, Call
         label_to_category = {i + 1: c for i, c in enumerate(categories)}
         names = ["background", *(str(coco.cats[c].get("name", c)) for c in categories)]
         ids = {str(im["file_name"]): int(im["id"]) for im in coco.imgs.values()}
-    return DetectionTask(path, label_to_category, class_names=names, image_ids=ids), eval_preprocess
+    task = DetectionTask(path, label_to_category, class_names=names, image_ids=ids, masks=detects_masks(cfg.model.name))
+    return task, eval_preprocess
 
 
 def eval_preprocess(image: torch.Tensor) -> torch.Tensor:
@@ -165,8 +171,9 @@ def build(cfg: RunConfig) -> TaskSpec:
     if cfg.data.num_classes and cfg.data.num_classes != num_classes:
         raise ValueError(f"data.num_classes={cfg.data.num_classes} but {train_json} has {num_classes - 1} categories "
                          f"(+1 background = {num_classes}); set data.num_classes={num_classes} or 0")
-    model = build_configured_model(cfg.model, "maskrcnn_resnet50_fpn", num_classes=num_classes)
-    task = DetectionTask(val_json, train.label_to_category, class_names=train.class_names)
+    model = build_configured_model(cfg.model, "maskrcnn_resnet50_fpn", kind="detection", num_classes=num_classes)
+    task = DetectionTask(val_json, train.label_to_category, class_names=train.class_names,
+                         masks=detects_masks(cfg.model.name))
     if on_device:
         task.train_collate = PixelCollate(collate=detection_collate)
     return TaskSpec(task=task, model=model, train_data=train, val_data=val)

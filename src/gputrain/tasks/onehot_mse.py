@@ -63,7 +63,8 @@ def build(cfg: RunConfig) -> TaskSpec:
     if num_classes < found:
         raise ValueError(f"data.num_classes={num_classes} but {cfg.data.root} has {found} class folders; "
                          f"use at least {found}")
-    model = build_configured_model(cfg.model, "resnet50", num_classes=num_classes)
+    model = build_configured_model(cfg.model, "resnet50", kind="classification", num_classes=num_classes,
+                                   input_size=(size, size))
     return TaskSpec(task=OneHotMSETask(num_classes, class_names=train.dataset.classes),  # type: ignore[attr-defined]
                     model=model, train_data=train, val_data=val,
                     example_input=val[0][0].unsqueeze(0))

@@ -22,6 +22,9 @@ from gputrain.tasks.base import Task
 from gputrain.tasks.draw import denormalize, overlay_labels, side_by_side, write_pictures
 from gputrain.tasks.spec import TaskSpec
 
+AUX_WEIGHT = 0.5
+"""The auxiliary head's share of the loss, as torchvision's segmentation reference trains it."""
+
 
 class SegmentationTask(Task):
     def __init__(self, num_classes: int, ignore_index: int = IGNORE_INDEX) -> None:
@@ -34,7 +37,14 @@ class SegmentationTask(Task):
         # only for a mean over samples of a per-sample loss; one pixel mean weighs a rank's images by how many of
         # their pixels count, so 2 ranks would not match 1 process. And an image with no counted pixel adds zero
         # instead of 0/0 = NaN, which ended runs whose small per-GPU batches held only such crops.
-        per_pixel = F.cross_entropy(_logits(outputs).float(), targets, ignore_index=self.ignore_index, reduction="none")
+        # torchvision's models with an auxiliary head ({"out", "aux"}) add its loss at weight 0.5, as its reference.
+        loss = self._per_image(_logits(outputs), targets)
+        if isinstance(outputs, dict) and "aux" in outputs:
+            loss = loss + AUX_WEIGHT * self._per_image(outputs["aux"], targets)
+        return loss
+
+    def _per_image(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        per_pixel = F.cross_entropy(logits.float(), targets, ignore_index=self.ignore_index, reduction="none")
         counted = (targets != self.ignore_index).flatten(1).sum(1)
         return (per_pixel.flatten(1).sum(1) / counted.clamp(min=1)).mean()
 
@@ -109,7 +119,7 @@ def build(cfg: RunConfig) -> TaskSpec:
                    transform=segmentation_transform(crop, train=cfg.data.augment, normalize=not on_device))
     val = ADE20K(cfg.data.val_root or cfg.data.root, split="validation", num_classes=num_classes,
                  transform=eval_preprocess(cfg))
-    model = build_configured_model(cfg.model, "deeplabv3plus", num_classes=num_classes)
+    model = build_configured_model(cfg.model, "deeplabv3plus", kind="segmentation", num_classes=num_classes)
     task = SegmentationTask(num_classes)
     if on_device:
         task.train_collate = PixelCollate(IMAGENET_MEAN, IMAGENET_STD)

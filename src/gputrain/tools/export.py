@@ -43,10 +43,34 @@ def model_from_checkpoint(path: str | Path, overrides: Sequence[str] = (),
         print(note, flush=True)
     if cfg.task == "detection":
         raise ValueError(
-            f"{path} is a detection model; `gputrain export onnx` exports models that map one image batch to one "
-            "tensor. See docs/export.md for exporting Mask R-CNN with torch.onnx.export(dynamo=False)"
+            f"{path} is a detection model ({cfg.model.name}); `gputrain export onnx` exports models that map one image "
+            "batch to one tensor. See docs/export.md for exporting a detector with torch.onnx.export(dynamo=False)"
         )
     return build_fitting_model(cfg, state, path).eval(), cfg
+
+
+class MainOutput(nn.Module):
+    """A model whose output is a dict, exported with its main output alone: torchvision's segmentation models
+    return ``{"out", "aux"}``, and evaluation and predict read ``out``."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x)["out"]
+
+
+def _one_tensor(model: nn.Module, example: torch.Tensor) -> nn.Module:
+    """``model``, or its main output where it returns a dict with ``out``; refused in one line otherwise."""
+    with torch.no_grad():
+        output = model(example)
+    if isinstance(output, torch.Tensor):
+        return model
+    if isinstance(output, dict) and isinstance(output.get("out"), torch.Tensor):
+        return MainOutput(model).eval()
+    raise ValueError(f"{type(model).__name__} returns {type(output).__name__}, not a tensor or a dict with 'out'; "
+                     "`gputrain export onnx` exports models that map one image batch to one tensor (docs/export.md)")
 
 
 def _example(cfg: RunConfig, input_shape: Sequence[int] | None) -> torch.Tensor:
@@ -76,6 +100,7 @@ def _export(model: nn.Module, example: torch.Tensor, out: str | Path, opset: int
     """
     import onnxruntime as ort
 
+    model = _one_tensor(model, example)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
