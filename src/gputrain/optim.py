@@ -15,9 +15,7 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if not named:
         raise ValueError("the model has no trainable parameters (every requires_grad is False)")
-    params: list[Any] = [p for _, p in named]
-    if cfg.pretrained_lr_scale != 1:
-        params = _pretrained_groups(model, named, cfg)
+    params: list[Any] = _groups(model, named, cfg)
     name = cfg.name.lower()
     # One kernel for all parameters instead of one per tensor (optim.fused; auto resolves it per device). Off,
     # the call is torch's default (foreach where supported), unchanged.
@@ -84,17 +82,46 @@ def scaled_lr(lr: float, global_batch: int, reference_batch: int, rule: str) -> 
     return lr * ratio if rule == "linear" else lr * math.sqrt(ratio)
 
 
-def _pretrained_groups(model: nn.Module, named: list[tuple[str, nn.Parameter]], cfg: OptimConfig) -> list[Any]:
-    """Two parameter groups: the tensors ``model.weights`` loaded at ``lr * pretrained_lr_scale``, the rest at ``lr``.
+NORM_LAYERS = (nn.modules.batchnorm._BatchNorm, nn.LayerNorm, nn.GroupNorm, nn.modules.instancenorm._InstanceNorm,
+               nn.LocalResponseNorm)
+"""Normalisation layers, as torchvision's reference lists them for ``--norm-weight-decay``."""
 
-    The scheduler multiplies each group's rate by the same factor, and checkpoints hold both groups.
-    """
+
+def _decay(model: nn.Module, names: list[str], cfg: OptimConfig) -> dict[str, float]:
+    """Each parameter's weight decay, as the reference's ``set_weight_decay``: a parameter named ``bias`` takes
+    ``bias_weight_decay`` (norms' biases too), a normalisation layer's other parameters ``norm_weight_decay``, the
+    rest ``weight_decay``; an option left None is ``weight_decay``."""
+    norms = {f"{m}.{p}" if m else p for m, module in model.named_modules() if isinstance(module, NORM_LAYERS)
+             for p, _ in module.named_parameters(recurse=False)}
+    decay = {}
+    for name in names:
+        if name.rpartition(".")[2] == "bias" and cfg.bias_weight_decay is not None:
+            decay[name] = cfg.bias_weight_decay
+        elif name in norms and cfg.norm_weight_decay is not None:
+            decay[name] = cfg.norm_weight_decay
+        else:
+            decay[name] = cfg.weight_decay
+    return decay
+
+
+def _groups(model: nn.Module, named: list[tuple[str, nn.Parameter]], cfg: OptimConfig) -> list[Any]:
+    """The parameters, in groups only where an option asks for them: the tensors ``model.weights`` loaded at
+    ``lr * pretrained_lr_scale``, and each weight decay of :func:`_decay`. Groups keep the model's order of first
+    appearance, the fresh tensors' first; the scheduler multiplies each group's rate by the same factor, and checkpoints hold every group."""
+    if cfg.pretrained_lr_scale == 1 and cfg.norm_weight_decay is None and cfg.bias_weight_decay is None:
+        return [p for _, p in named]
     pretrained = getattr(model, "gputrain_pretrained", None)
-    if pretrained is None:
+    if cfg.pretrained_lr_scale != 1 and pretrained is None:
         raise ValueError(f"optim.pretrained_lr_scale={cfg.pretrained_lr_scale} scales the tensors model.weights "
                          f"loaded, and this model has none; set model.weights (with a strategy that keeps the whole "
                          f"model in each process, not pipeline) or drop optim.pretrained_lr_scale")
-    new = [p for n, p in named if n not in pretrained]
-    old = [p for n, p in named if n in pretrained]
-    groups = [{"params": new}] if new else []
-    return groups + ([{"params": old, "lr": cfg.lr * cfg.pretrained_lr_scale}] if old else [])
+    decay = _decay(model, [n for n, _ in named], cfg)
+    groups: dict[tuple[bool, float], dict[str, Any]] = {}
+    for name, param in named:
+        scaled = cfg.pretrained_lr_scale != 1 and name in (pretrained or ())
+        group = groups.setdefault((scaled, decay[name]), {"params": [], "weight_decay": decay[name]})
+        if scaled:
+            group["lr"] = cfg.lr * cfg.pretrained_lr_scale
+        group["params"].append(param)
+    # The fresh tensors' groups before the pretrained ones: the order checkpoints of earlier versions hold.
+    return [g for (scaled, _), g in groups.items() if not scaled] + [g for (scaled, _), g in groups.items() if scaled]

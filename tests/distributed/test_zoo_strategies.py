@@ -87,6 +87,8 @@ def _rank_runs(info, out: str) -> dict[str, dict[str, torch.Tensor]]:
     return runs
 
 
+# About 35 s on the 2 cores, over the 20 s a test may take without a reason: the promise is one model per family,
+# and the 13 ddp runs and 4 pipelines share one launch of 2 ranks (each at 8 samples of 32 px, one step).
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> tuple[Path, list[dict[str, dict[str, torch.Tensor]]]]:
     out = tmp_path_factory.mktemp("zoo")

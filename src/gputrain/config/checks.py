@@ -80,6 +80,15 @@ RANGES: dict[str, Range] = {
     "optim.lr": Range(gt=0, le=100),
     "optim.momentum": Range(ge=0, lt=1),
     "optim.weight_decay": Range(ge=0, le=1),
+    "optim.label_smoothing": Range(ge=0, lt=1, example="e.g. 0.1, as torchvision's recipes"),
+    "optim.norm_weight_decay": Range(ge=0, le=1, example="e.g. 0.0, as torchvision's recipes"),
+    "optim.bias_weight_decay": Range(ge=0, le=1),
+    "data.crop_scale": Range(gt=0, le=1, example="e.g. [0.35, 1.0]"),
+    "data.hflip": Range(ge=0, le=1, example="0 never flips"),
+    "data.random_erase": Range(ge=0, le=1),
+    "data.train_crop_size": Range(ge=0, le=65536),
+    "data.val_resize_size": Range(ge=0, le=65536),
+    "data.val_crop_size": Range(ge=0, le=65536),
     "optim.pretrained_lr_scale": Range(gt=0, le=1000, example="e.g. 0.1 for pretrained layers 10x slower than the head"),
     "optim.reference_batch": COUNT,
     "scheduler.warmup_steps": COUNT_OR_OFF,
@@ -175,6 +184,7 @@ def check_combinations(cfg: RunConfig) -> None:
             ("scheduler.name", cfg.scheduler.name.lower(), ("constant", "cosine", "poly", "step"))):
         if value not in choices:  # when the config is made (Trainer(...) too), not when the run first needs it
             raise ValueError(f"{field}={value!r} is unknown; choose {', '.join(choices)}")
+    check_augmentation(cfg)
     if t.compile_mode not in COMPILE_MODES:
         raise ValueError(f"trainer.compile_mode={t.compile_mode!r} is unknown; choose {', '.join(COMPILE_MODES)}")
     if t.monitor_mode not in ("min", "max"):
@@ -222,6 +232,42 @@ def check_split_options(cfg: RunConfig, stages: int | None = None, strategy: str
         raise ValueError(f"parallel.split_points has {len(p.split_points)} names for {stages} stages; give "
                          f"{stages - 1} (the blocks that start stages 2..{stages})")
     check_micro_batches(t.batch_size, p.micro_batches)
+
+
+CLASSIFICATION_ONLY = (("optim.label_smoothing", 0.0), ("data.auto_augment", ""), ("data.random_erase", 0.0),
+                       ("data.crop_scale", [0.08, 1.0]), ("data.hflip", 0.5), ("data.train_crop_size", 0),
+                       ("data.val_resize_size", 0), ("data.val_crop_size", 0), ("data.interpolation", "bilinear"))
+"""Options the classification task alone reads, with their defaults."""
+
+
+POLICIES = ("ta_wide", "ra", "augmix", "imagenet")
+"""``data.auto_augment``'s names, as torchvision's reference spells them (``--auto-augment``)."""
+INTERPOLATIONS = ("nearest", "bilinear", "bicubic")
+
+
+def check_augmentation(cfg: RunConfig) -> None:
+    """Classification's augmentation options: names, the crop range, and a task that reads them."""
+    d = cfg.data
+    if d.auto_augment and d.auto_augment not in POLICIES:
+        raise ValueError(f"data.auto_augment={d.auto_augment!r} is unknown; choose {', '.join(POLICIES)} (or leave it "
+                         "empty)")
+    if d.interpolation not in INTERPOLATIONS:
+        raise ValueError(f"data.interpolation={d.interpolation!r} is unknown; choose {', '.join(INTERPOLATIONS)}")
+    if len(d.crop_scale) != 2 or d.crop_scale[0] > d.crop_scale[1]:
+        raise ValueError(f"data.crop_scale={list(d.crop_scale)} must be two numbers [low, high] with low <= high, "
+                         "e.g. [0.08, 1.0]")
+    crop = d.val_crop_size or d.image_size or 224
+    if d.val_resize_size and d.val_resize_size < crop:
+        raise ValueError(f"data.val_resize_size={d.val_resize_size} is smaller than the validation crop {crop} "
+                         "(data.val_crop_size, else data.image_size); resize to at least the crop, e.g. "
+                         f"data.val_resize_size={round(crop * 232 / 224)} as torchvision's 232/224")
+    if cfg.task in ("autoencoder", "segmentation", "detection"):
+        for name, default in CLASSIFICATION_ONLY:
+            section, field = name.split(".")
+            value = getattr(getattr(cfg, section), field)
+            if value != default:
+                raise ValueError(f"{name}={value!r} applies to classification, and task {cfg.task} does not read it; "
+                                 "drop it")
 
 
 def check_micro_batches(batch_size: int, micro_batches: int) -> None:

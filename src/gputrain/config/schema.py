@@ -47,6 +47,22 @@ class DataConfig:
     """DataLoader worker processes per rank, or ``auto``: the node's cores divided by its processes (capped)."""
     augment: bool = True
     """Random training augmentation where the task has one."""
+    crop_scale: list[float] = field(default_factory=lambda: [0.08, 1.0])
+    """Classification, class folders: RandomResizedCrop's scale range (the reference's ``--random-resized-crop``)."""
+    hflip: float = 0.5
+    """Classification: probability of a horizontal flip (0 for digits and letters, whose mirror is another class)."""
+    auto_augment: str = ""
+    """Classification: ta_wide, ra, augmix or imagenet (torchvision.transforms.v2's policies); empty: none."""
+    random_erase: float = 0.0
+    """Classification: probability of RandomErasing after normalisation."""
+    train_crop_size: int = 0
+    """Classification, class folders: training crop side; 0: data.image_size (224 when 0)."""
+    val_resize_size: int = 0
+    """Classification, class folders: validation images' shorter side before the centre crop; 0: the crop side."""
+    val_crop_size: int = 0
+    """Classification, class folders: validation centre-crop side; 0: data.image_size (224 when 0)."""
+    interpolation: str = "bilinear"
+    """Classification: the resize and crop interpolation: nearest, bilinear or bicubic."""
     normalize_on_device: bool | str = "auto"
     """Loader workers hand over ``uint8`` training images and the training device makes them float (scaled and
     normalized, or divided by 255 for the autoencoder and detection): a quarter of the bytes through shared memory,
@@ -97,6 +113,13 @@ class OptimConfig:
     """Rescale ``lr`` for the actual global batch: none, linear (lr x G/reference) or sqrt (lr x sqrt(G/reference))."""
     reference_batch: int = 256
     """The global batch ``lr`` was tuned for; used only when ``scale_lr`` is linear or sqrt."""
+    label_smoothing: float = 0.0
+    """Classification: cross-entropy's label smoothing (torch's ``label_smoothing``)."""
+    norm_weight_decay: float | None = None
+    """Weight decay of normalisation layers' weights (BatchNorm, LayerNorm, GroupNorm, ...); None: weight_decay."""
+    bias_weight_decay: float | None = None
+    """Weight decay of every parameter named ``bias``, norms' too (the reference's ``--bias-weight-decay``); None:
+    weight_decay."""
 
 
 @dataclass(kw_only=True)

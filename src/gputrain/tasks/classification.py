@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import functools
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,7 @@ import torch.nn.functional as F
 from torchvision.transforms import v2
 
 from gputrain.config import RunConfig
+from gputrain.data.augment import Augmentation, eval_transform, resized_crop, train_transform
 from gputrain.data.classfolder import classification_transform
 from gputrain.data.device_normalize import PixelCollate, normalize_on_device
 from gputrain.data.images import IMAGENET_MEAN, IMAGENET_STD, normalize_transform
@@ -27,8 +29,11 @@ CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
 
 class ClassificationTask(Task):
     def __init__(self, num_classes: int, *, class_names: list[str] | None = None,
-                 mean: tuple[float, ...] = IMAGENET_MEAN, std: tuple[float, ...] = IMAGENET_STD) -> None:
-        super().__init__(F.cross_entropy)
+                 mean: tuple[float, ...] = IMAGENET_MEAN, std: tuple[float, ...] = IMAGENET_STD,
+                 label_smoothing: float = 0.0) -> None:
+        # optim.label_smoothing: torch's own smoothed cross-entropy, as the reference's CrossEntropyLoss(label_smoothing)
+        super().__init__(functools.partial(F.cross_entropy, label_smoothing=label_smoothing) if label_smoothing
+                         else F.cross_entropy)
         self.num_classes, self.class_names, self.mean, self.std = num_classes, class_names, mean, std
 
     def evaluator(self) -> Evaluator:
@@ -73,7 +78,19 @@ def eval_preprocess(cfg: RunConfig) -> Callable[[torch.Tensor], torch.Tensor]:
     """The evaluation preprocessing of a ``uint8 (3, H, W)`` image: validation data and ``gputrain predict`` alike."""
     if cfg.data.format == "cifar10":
         return normalize_transform(CIFAR_MEAN, CIFAR_STD)  # type: ignore[return-value]
-    return classification_transform(cfg.data.image_size or 224, train=False)
+    d = cfg.data
+    return eval_transform(d.val_crop_size or d.image_size or 224, d.val_resize_size, d.interpolation,
+                          mean=IMAGENET_MEAN, std=IMAGENET_STD)
+
+
+def augmentation(cfg: RunConfig) -> Augmentation:
+    d = cfg.data
+    return Augmentation(crop_scale=(d.crop_scale[0], d.crop_scale[1]), hflip=d.hflip, auto_augment=d.auto_augment,
+                        random_erase=d.random_erase, interpolation=d.interpolation)
+
+
+def _train_size(cfg: RunConfig) -> int:
+    return cfg.data.train_crop_size or cfg.data.image_size or 224
 
 
 def _class_names(cfg: RunConfig) -> list[str] | None:
@@ -102,16 +119,15 @@ def _cifar10(cfg: RunConfig) -> tuple:
 
     normalize = eval_preprocess(cfg)
     train_normalize = [] if normalize_on_device(cfg) else [normalize]
-    train_tf = v2.Compose([v2.RandomCrop(32, padding=4), v2.RandomHorizontalFlip(), *train_normalize]) \
-        if cfg.data.augment else v2.Compose(train_normalize)
+    train_tf = train_transform(v2.RandomCrop(32, padding=4), augmentation(cfg), normalize=not normalize_on_device(cfg),
+                               mean=CIFAR_MEAN, std=CIFAR_STD) if cfg.data.augment else v2.Compose(train_normalize)
     return CIFAR10(cfg.data.root, train=True, transform=train_tf), CIFAR10(cfg.data.root, train=False, transform=normalize), 10
 
 
 def _classfolder(cfg: RunConfig) -> tuple:
     from gputrain.data.classfolder import ClassFolder, split_classfolder
 
-    size = cfg.data.image_size or 224
-    train_tf = classification_transform(size, train=cfg.data.augment, normalize=not normalize_on_device(cfg))
+    train_tf = _classfolder_train(cfg, normalize=not normalize_on_device(cfg))
     val_tf = eval_preprocess(cfg)
     encoded = on_device_decoding(cfg)
     if cfg.data.val_root:
@@ -127,6 +143,14 @@ def _classfolder(cfg: RunConfig) -> tuple:
                                        encoded_train=encoded)
         classes = train.dataset.classes
     return train, val, len(classes)
+
+
+def _classfolder_train(cfg: RunConfig, *, normalize: bool) -> Callable[[torch.Tensor], torch.Tensor]:
+    size = _train_size(cfg)
+    if not cfg.data.augment:
+        return classification_transform(size, train=False, normalize=normalize)
+    aug = augmentation(cfg)
+    return train_transform(resized_crop(size, aug), aug, normalize=normalize, mean=IMAGENET_MEAN, std=IMAGENET_STD)
 
 
 def on_device_decoding(cfg: RunConfig) -> bool:
@@ -145,12 +169,12 @@ def build(cfg: RunConfig) -> TaskSpec:
     model = build_configured_model(cfg.model, "resnet18", kind="classification", num_classes=num_classes,
                                    input_size=(int(example.shape[-2]), int(example.shape[-1])))
     mean, std = _stats(cfg)
-    task = ClassificationTask(num_classes, class_names=_class_names(cfg), mean=mean, std=std)
+    task = ClassificationTask(num_classes, class_names=_class_names(cfg), mean=mean, std=std,
+                              label_smoothing=cfg.optim.label_smoothing)
     if cfg.data.format == "classfolder" and on_device_decoding(cfg):
         from gputrain.data.device_decode import EncodedCollate
 
-        task.train_collate = EncodedCollate(classification_transform(cfg.data.image_size or 224,
-                                                                     train=cfg.data.augment))
+        task.train_collate = EncodedCollate(_classfolder_train(cfg, normalize=True))
     elif normalize_on_device(cfg):
         task.train_collate = PixelCollate(mean, std)
     return TaskSpec(task=task, model=model, train_data=train, val_data=val, example_input=example)
