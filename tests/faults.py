@@ -1245,4 +1245,11 @@ FAULTS: tuple[Fault, ...] = (
           (('        if name.rpartition(".")[2] == "bias" and cfg.bias_weight_decay is not None:',
             '        if name.rpartition(".")[2] == "bias" and cfg.bias_weight_decay is not None and name not in norms:'),),
           ("tests/unit/test_recipe_options.py::test_label_smoothing_and_norm_and_bias_decay_train_what_the_references_formulas_train",)),
+    Fault("[41] a float32 module gets its 16-bit inputs as they are", "src/gputrain/nn/float32.py",
+          (("    if isinstance(value, torch.Tensor) and value.dtype in (torch.float16, torch.bfloat16):",
+            "    if False:"),),
+          ("tests/unit/test_fp32_modules.py::test_a_module_that_overflows_float16_is_finite_in_float32",)),
+    Fault("[41] a float32 module still runs under autocast", "src/gputrain/nn/float32.py",
+          (("            with torch.autocast(device, enabled=False):", "            with torch.autocast(device):"),),
+          ("tests/unit/test_fp32_modules.py::test_named_modules_and_types_run_in_float32_the_rest_in_16_bits",)),
 )

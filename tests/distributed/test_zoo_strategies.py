@@ -21,8 +21,10 @@ from pathlib import Path
 
 import pytest
 import torch
+import torchvision
 from torch import nn
 from torch.utils.data import TensorDataset
+from torchvision.models.convnext import CNBlockConfig
 
 from gputrain import Trainer
 from gputrain.config import ModelConfig, OptimConfig, ParallelConfig, RunConfig
@@ -44,12 +46,22 @@ PIPELINED = ["efficientnet_b0", "convnext_tiny", "densenet121", SEGMENTER]
 input size carried to its upsample, between the stages."""
 
 
+SMALLER = {  # the family's own class at a few thousand parameters: 28 M each by name cost 12 s of this file's 60
+    "convnext_tiny": lambda: torchvision.models.ConvNeXt(
+        [CNBlockConfig(16, 32, 1), CNBlockConfig(32, 64, 1), CNBlockConfig(64, None, 1)], num_classes=CLASSES),
+    "swin_t": lambda: torchvision.models.SwinTransformer(
+        patch_size=[4, 4], embed_dim=16, depths=[1, 1], num_heads=[1, 2], window_size=[4, 4], num_classes=CLASSES),
+}
+"""ConvNeXt and Swin built by their class, smaller: the chain and the strategies depend on the class, which
+tests/unit/test_zoo.py builds by name at full size."""
+
+
 def _model(name: str, aux_loss: bool = False) -> nn.Module:
     side = NOT_CHAINS.get(name, 32)
     torch.manual_seed(0)
     kind, kwargs = ("segmentation", {"aux_loss": aux_loss}) if name == SEGMENTER else ("classification", {})
-    model = build_configured_model(ModelConfig(name=name, kwargs=kwargs), "", kind=kind, num_classes=CLASSES,
-                                   input_size=(side, side))
+    model = SMALLER[name]() if name in SMALLER else build_configured_model(
+        ModelConfig(name=name, kwargs=kwargs), "", kind=kind, num_classes=CLASSES, input_size=(side, side))
     for module in model.modules():
         if hasattr(module, "p") and type(module).__name__ in ("Dropout", "StochasticDepth"):
             module.p = 0.0
@@ -87,7 +99,7 @@ def _rank_runs(info, out: str) -> dict[str, dict[str, torch.Tensor]]:
     return runs
 
 
-# About 35 s on the 2 cores, over the 20 s a test may take without a reason: the promise is one model per family,
+# About 21 s on the 2 cores, over the 20 s a test may take without a reason: the promise is one model per family,
 # and the 13 ddp runs and 4 pipelines share one launch of 2 ranks (each at 8 samples of 32 px, one step).
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> tuple[Path, list[dict[str, dict[str, torch.Tensor]]]]:

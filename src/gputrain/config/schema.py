@@ -220,6 +220,9 @@ class TrainerConfig:
     progress_bar: bool = True
     sync_batchnorm: bool = False
     """Synchronise BatchNorm statistics across ranks (torch's SyncBatchNorm on CUDA, ours on CPU)."""
+    fp32_modules: list[str] = field(default_factory=list)
+    """Modules that run outside autocast, in float32, under 16-mixed or bf16-mixed: qualified names (decoder.aspp)
+    or class names (LayerNorm; _BatchNorm for every BatchNorm). The usual fix for a region that overflows float16."""
     find_unused_parameters: bool = False
     dp_device_ids: list[int] | None = None
     """GPUs for strategy dp; None means all visible."""

@@ -27,6 +27,7 @@ from gputrain.dist import DistInfo, comm
 from gputrain.engine.fast import apply_backend_flags, prepare_model
 from gputrain.engine.state import SkippedSteps, seed_everything
 from gputrain.errors import NonFiniteError
+from gputrain.nn.float32 import keep_float32
 from gputrain.optim import build_scheduler, scaled_lr
 from gputrain.precision import Precision, build_precision
 from gputrain.strategies import build_strategy, strategy_class
@@ -115,8 +116,18 @@ def build_runtime(cfg: RunConfig, dist: DistInfo, task: Task, model: nn.Module,
         )
     precision = build_precision(t.precision, dist.device)
     apply_backend_flags(fast)
+    _in_float32(model, cfg, dist)
     return Loop(cfg=cfg, dist=dist, fast=fast, strategy=strategy, precision=precision, task=task,
                 module=prepare_model(model, fast))
+
+
+def _in_float32(model: nn.Module, cfg: RunConfig, dist: DistInfo) -> None:
+    """trainer.fp32_modules, said once: what runs in float32, or that precision 32 makes it moot."""
+    chosen = keep_float32(model, cfg.trainer.fp32_modules)
+    if chosen and dist.is_main:
+        where = ", ".join(chosen[:4]) + (f" and {len(chosen) - 4} more" if len(chosen) > 4 else "")
+        print(f"gputrain: trainer.fp32_modules: {where} run in float32, outside autocast"
+              + ("" if "mixed" in str(cfg.trainer.precision) else " (no effect at precision 32)"), flush=True)
 
 
 def build_training(loop: Loop, train_data: Dataset, val_data: Dataset | None, out: Path) -> Loop:
@@ -134,6 +145,7 @@ def build_training(loop: Loop, train_data: Dataset, val_data: Dataset | None, ou
         from gputrain.nn.sync_batchnorm import convert_sync_batchnorm
 
         model = convert_sync_batchnorm(model, dist.device.type)
+        keep_float32(model, t.fp32_modules)  # the new SyncBatchNorm modules, where fp32_modules names them
     if t.activation_checkpointing:
         from gputrain.parallel.activation_checkpoint import checkpoint_blocks
 
