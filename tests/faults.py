@@ -1252,4 +1252,10 @@ FAULTS: tuple[Fault, ...] = (
     Fault("[41] a float32 module still runs under autocast", "src/gputrain/nn/float32.py",
           (("            with torch.autocast(device, enabled=False):", "            with torch.autocast(device):"),),
           ("tests/unit/test_fp32_modules.py::test_named_modules_and_types_run_in_float32_the_rest_in_16_bits",)),
+    Fault("[41] the doctor names a module by its DDP wrapper's name", "src/gputrain/tools/diagnose/headroom.py",
+          (('    for prefix in ("module.", "_orig_mod."):', '    for prefix in ():'),),
+          ("tests/unit/test_doctor_checks.py::test_float16_headroom_warns_under_16_mixed_and_names_the_fix",)),
+    Fault("[41] the doctor warns only of modules already past float16's range", "src/gputrain/tools/diagnose/headroom.py",
+          (("    close = [(h, n) for h, n in tight if h < WARN_WITHIN]", "    close = [(h, n) for h, n in tight if h < 1]"),),
+          ("tests/unit/test_doctor_checks.py::test_float16_headroom_warns_under_16_mixed_and_names_the_fix",)),
 )

@@ -71,8 +71,11 @@ class Images(Dataset):
 
 def build_faulty(cfg) -> TaskSpec:
     """Faults at once: a spare parameter, BatchNorm at 4 per device, images sized by rank, a loader that sleeps,
-    and rank 1 printing and writing a file."""
-    return TaskSpec(task=Task(F.cross_entropy), model=SmallNet(with_unused=True, batchnorm=True),
+    rank 1 printing and writing a file, and a convolution whose outputs come within 10x of float16's 65,504."""
+    model = SmallNet(with_unused=True, batchnorm=True)
+    with torch.no_grad():
+        model.conv.weight.mul_(5e4)
+    return TaskSpec(task=Task(F.cross_entropy), model=model,
                     train_data=Images(N, rank_sized=True, sleep_s=0.03), val_data=Images(11))
 
 
@@ -144,6 +147,13 @@ def test_doctor_names_unsynced_batchnorm_at_a_small_batch(faulty):
     assert sync.status == "WARN" and "over 4 samples per device" in sync.what and "norm" in sync.what
     assert "trainer.sync_batchnorm=true" in sync.fix
     assert _finding(faulty, "BatchNorm buffers").status == "WARN", faulty.format()
+
+
+def test_doctor_names_the_module_closest_to_float16s_largest_value(faulty):
+    room = _finding(faulty, "float16 headroom")
+    # The dry run is at precision 32 here: the module is named, with the note, not warned about.
+    assert room.status == "OK" and room.what.startswith("the tightest module, conv, is "), faulty.format()
+    assert "not in float16 at precision" in room.fix and room.details[0].startswith("conv: largest |activation| ")
 
 
 def test_doctor_passes_a_clean_run_and_reports_the_lr():

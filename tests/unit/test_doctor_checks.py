@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 from torch.utils.data import DistributedSampler
 
 from gputrain.config import load_config
@@ -96,3 +97,27 @@ def test_learning_rate_line_gives_the_scaled_values_and_other_device_counts():
     f = check_lr(_ranks([_setup([], 0, lr=0.05)]), cfg)
     assert "global batch 8 (4/device x 2 rank(s) x 1 accumulation), lr 0.05" in f.what
     assert "linear 0.05, sqrt 0.07071" in f.what and "4 devices: batch 16, lr 0.1" in f.what
+
+
+def test_float16_headroom_warns_under_16_mixed_and_names_the_fix():
+    from gputrain.tools.diagnose.headroom import ActivationPeaks, check_headroom
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Sequential(torch.nn.Linear(4, 4)))
+    with torch.no_grad():
+        for layer, weight in ((model[0], 1.0), (model[1][0], 1000.0)):  # ones -> 4 -> 16,000: 4x below 65,504
+            layer.weight.fill_(weight)
+            layer.bias.zero_()
+    peaks = ActivationPeaks(model)
+    model(torch.ones(2, 4))
+    seen = peaks.take()
+    peaks.remove()
+    assert set(seen) == {"0", "1", "1.0"} and seen["1.0"] == seen["1"] > 6550
+    records = [{"kind": "end", "peaks": {f"module.{k}": v for k, v in seen.items()}},
+               {"kind": "step", "loss_scale": 65536.0}, {"kind": "step", "loss_scale": 32768.0}]
+    outcomes = [RankOutcome(rank=0, ok=True, records=records)]
+    warned = check_headroom(outcomes, load_config(None, ["trainer.precision=16-mixed"]))
+    assert warned.status == "WARN" and warned.what.startswith("2 module(s) within 10x of float16's largest value")
+    assert warned.fix == "trainer.fp32_modules=[1.0] runs them in float32, or --precision bf16-mixed"  # the inner one
+    assert warned.details[-1] == "loss scale over the dry run: 65536 -> 32768"
+    noted = check_headroom(outcomes, load_config(None, ["trainer.precision=bf16-mixed"]))
+    assert noted.status == "OK" and "not in float16 at precision bf16-mixed" in noted.fix

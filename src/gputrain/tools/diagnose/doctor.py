@@ -25,7 +25,7 @@ import torch
 from gputrain.config import RunConfig, TrainerConfig, load_config
 from gputrain.dist import DistInfo
 from gputrain.engine.hooks import Hook, RunContext
-from gputrain.tools.diagnose import doctor_checks, plan_check, probes
+from gputrain.tools.diagnose import doctor_checks, headroom, plan_check, probes
 from gputrain.tools.diagnose.doctor_checks import DoctorReport
 from gputrain.tools.diagnose.outcome import RankOutcome, append_record, open_records
 from gputrain.tools.diagnose.ranks import run_on_ranks
@@ -45,6 +45,7 @@ class DoctorHook(Hook):
         t, model = ctx.cfg.trainer, ctx.model
         self.usage = probes.ParamUsage(model)
         self.shapes = probes.ShapeProbe(model)
+        self.peaks = headroom.ActivationPeaks(model)
         self.pending_unused: list[str] | None = None
         evaluation = ctx.eval_indices()
         append_record({
@@ -83,6 +84,8 @@ class DoctorHook(Hook):
         }
         if self.epoch_first_step:
             record["order"] = ctx.train_indices(2)
+        if logs and "train/loss_scale" in logs:
+            record["loss_scale"] = logs["train/loss_scale"]
         append_record(record)
         self.epoch_first_step = False
         self.mark = time.perf_counter()
@@ -91,9 +94,11 @@ class DoctorHook(Hook):
         if self.watch is not None:
             self.watch.active = False
         bn = {k: v.tolist() for k, v in probes.batchnorm_buffers(ctx.model).items()}
-        append_record({"kind": "end", "bn": bn, "writes": self.watch.take() if self.watch else None})
+        append_record({"kind": "end", "bn": bn, "writes": self.watch.take() if self.watch else None,
+                       "peaks": self.peaks.take()})
         self.usage.remove()
         self.shapes.remove()
+        self.peaks.remove()
 
     def after_fit(self, ctx: RunContext, summary: dict[str, Any]) -> None:
         self._finish(ctx)
@@ -211,6 +216,6 @@ def analyse(cfg: RunConfig, outcomes: list[RankOutcome], *, world_size: int, acc
     findings = [doctor_checks.check_run(outcomes, steps_done, wall_s), doctor_checks.check_unused(outcomes, cfg),
                 *doctor_checks.check_batchnorm(outcomes, world_size), *doctor_checks.check_shapes(outcomes), doctor_checks.check_eval_sampler(outcomes),
                 doctor_checks.check_epoch_order(outcomes), *doctor_checks.check_writes(outcomes), doctor_checks.check_input(outcomes, workers),
-                doctor_checks.check_lr(outcomes, cfg)]
+                doctor_checks.check_lr(outcomes, cfg), headroom.check_headroom(outcomes, cfg)]
     return DoctorReport(recipe=recipe or str(cfg.task), world_size=world_size, accelerator=accelerator,
                         wall_s=wall_s, findings=findings)
