@@ -171,3 +171,17 @@ def test_the_recipes_label_smoothing_reaches_the_tasks_loss(tmp_path):
     logits, targets = torch.randn(4, 3, generator=torch.Generator().manual_seed(2)), torch.tensor([0, 1, 2, 1])
     got = build_task(cfg).task.loss(logits, targets)
     assert float(got) == pytest.approx(float(F.cross_entropy(logits, targets, label_smoothing=0.2)))
+
+
+def test_a_policy_with_bicubic_crops_runs_bilinear_as_torchvision_allows_on_tensors():
+    assert _train(["data.auto_augment=ra", "data.interpolation=bicubic"], 0).shape == (3, 32, 32)
+
+
+def test_a_batch_of_one_at_batchnorm_says_how_to_avoid_it(tmp_path):
+    data = TensorDataset(torch.randn(5, 3, 6, 6), torch.randint(0, 3, (5,)))  # batches of 4 and 1
+    trainer = Trainer(RunConfig(optim=OptimConfig(name="sgd", lr=0.1)), strategy="single", accelerator="cpu",
+                      batch_size=4, epochs=1, out=str(tmp_path), progress_bar=False, loggers=[])
+    net = nn.Sequential(nn.Flatten(), nn.Linear(108, 8), nn.BatchNorm1d(8), nn.Linear(8, 3))  # 1 value a channel
+    with pytest.raises(ValueError, match=r"a training micro-batch of 1 sample\(s\) reached BatchNorm, .*set "
+                                         r"trainer.drop_last=true"):
+        trainer.fit(net, data, loss=F.cross_entropy)

@@ -110,7 +110,7 @@ def test_naming_another_model_drops_the_recipes_model_options_and_keeps_those_gi
 
     cfg = load_config("cifar10-resnet18", ["model.name=efficientnet_b0", "model.kwargs.dropout=0.1"])
     assert cfg.model.kwargs == {"dropout": 0.1}
-    assert "model.name=efficientnet_b0 replaces resnet18; its model.kwargs (cifar_stem=True) are dropped" in \
+    assert "model.name=efficientnet_b0 replaces resnet18; dropped its model.kwargs (cifar_stem=True), options" in \
         capsys.readouterr().out
     assert load_config("cifar10-resnet18", ["model.kwargs.cifar_stem=false"]).model.kwargs == {"cifar_stem": False}
     assert load_config("cifar10-resnet18", ["model.name=resnet18"]).model.kwargs == {"cifar_stem": True}
@@ -158,3 +158,14 @@ def test_a_segmenter_without_its_auxiliary_head_is_a_chain_and_the_others_are_re
                   build_model("lraspp_mobilenet_v3_large", num_classes=3, weights_backbone=None)):
         with pytest.raises(ValueError, match="into a chain of blocks .* train it with strategy single, ddp, dp or fsdp"):
             sequential_blocks(model)
+
+
+def test_an_option_the_builder_sets_itself_says_to_drop_it_and_a_misspelled_one_is_named(capsys):
+    with pytest.raises(ValueError, match=r"got multiple values for argument 'min_size'; drop model.kwargs.min_size"):
+        build_model("ssdlite320_mobilenet_v3_large", num_classes=3, weights_backbone=None, min_size=512)
+    build_model("mobilenet_v3_small", num_classes=3, dropuot=0.3)  # MobileNetV3 takes **kwargs and drops them
+    assert capsys.readouterr().err.strip() == ("gputrain: model.kwargs dropuot: no option of that name in "
+                                               "mobilenet_v3_small's builder or MobileNetV3; it may be ignored "
+                                               "(check the spelling)")
+    build_model("mobilenet_v3_small", num_classes=3, dropout=0.3)
+    assert capsys.readouterr().err == ""

@@ -72,20 +72,26 @@ def load_config(recipe: str | None = None, overrides: list[str] | None = None, *
 
 
 def _drop_other_models_kwargs(layers: list[DictConfig]) -> None:
-    """An override that names another model drops the earlier layers' ``model.kwargs``: they were options of the
-    recipe's model (``cifar_stem``, a DeepLabv3+ backbone, Mask R-CNN's image scale), which another builder would
-    refuse or silently ignore. Kwargs given with the new name (``model.kwargs.dropout=0.3``) are kept; a note says
-    what was dropped."""
+    """An override that names another model drops the earlier layers' ``model.kwargs`` and ``parallel.split_points``:
+    they were options and block names of the recipe's model (``cifar_stem``, a DeepLabv3+ backbone, Mask R-CNN's
+    image scale, ResNet's ``layer3``), which another model would refuse or silently ignore. Those given with the new
+    name (``model.kwargs.dropout=0.3``) are kept; a note says what was dropped."""
     override = layers[-1].get("model") or {}
-    earlier = OmegaConf.merge(*layers[:-1]).model
-    if "name" not in override or override["name"] == earlier.name or not earlier.kwargs:
+    merged = OmegaConf.merge(*layers[:-1])
+    kwargs, splits = dict(merged.model.kwargs), list(merged.parallel.split_points)
+    if "split_points" in (layers[-1].get("parallel") or {}):
+        splits = []  # given with the new name: kept
+    if "name" not in override or override["name"] == merged.model.name or not (kwargs or splits):
         return
     for layer in layers[:-1]:
         if "model" in layer and "kwargs" in layer.model:
             layer.model.kwargs = {}
-    dropped = ", ".join(f"{k}={v}" for k, v in earlier.kwargs.items())
-    print(f"gputrain: model.name={override['name']} replaces {earlier.name}; its model.kwargs ({dropped}) are "
-          "dropped, as they were options of that model (pass model.kwargs.* for the new one)", flush=True)
+        if splits and "parallel" in layer and "split_points" in layer.parallel:
+            layer.parallel.split_points = []
+    dropped = [f"model.kwargs ({', '.join(f'{k}={v}' for k, v in kwargs.items())})"] if kwargs else []
+    dropped += [f"parallel.split_points ({', '.join(map(str, splits))})"] if splits else []
+    print(f"gputrain: model.name={override['name']} replaces {merged.model.name}; dropped its "
+          f"{' and '.join(dropped)}, options of that model (set them again for the new one)", flush=True)
 
 
 def config_from_dict(data: dict[str, Any]) -> RunConfig:

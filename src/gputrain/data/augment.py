@@ -61,7 +61,9 @@ def train_transform(crop: v2.Transform, aug: Augmentation, *, normalize: bool, m
     if aug.hflip > 0:
         steps.append(v2.RandomHorizontalFlip(aug.hflip))
     if aug.auto_augment:
-        steps += [to_uint8, _policy(aug.auto_augment, INTERPOLATIONS[aug.interpolation])]  # policies take uint8
+        # The policies take uint8, and on tensors nearest or bilinear only: bicubic crops, a bilinear policy.
+        policy = InterpolationMode.NEAREST if aug.interpolation == "nearest" else InterpolationMode.BILINEAR
+        steps += [to_uint8, _policy(aug.auto_augment, policy)]
     steps.append(normalize_transform(tuple(mean), tuple(std)) if normalize else to_uint8)
     if aug.random_erase > 0:
         # The reference erases the normalised image with 0; on uint8 that is the mean pixel.

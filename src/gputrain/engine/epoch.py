@@ -99,7 +99,10 @@ def run_epoch(loop: Loop, state: TrainState, window: LossWindow, hooks: Hooks, *
             # by hand after the step.
             sync = last and (join_empty or not uneven)
             micro = MicroBatch(inputs=inputs, targets=targets, size=n, weight=n * dp / n_step, sync=sync)
-            loss = strategy.forward_backward(module, micro, task=loop.task, precision=loop.precision)
+            try:
+                loss = strategy.forward_backward(module, micro, task=loop.task, precision=loop.precision)
+            except ValueError as err:
+                raise _explained(err, n) from None
             window.add(loss, n)
         if uneven and not join_empty:
             strategy.finish_gradients(module)
@@ -144,6 +147,16 @@ def run_epoch(loop: Loop, state: TrainState, window: LossWindow, hooks: Hooks, *
     if not math.isfinite(epoch_loss):  # the scaler skipped every step of the epoch: there is no loss to report
         del metrics["train/loss"]
     return metrics
+
+
+def _explained(err: ValueError, samples: int) -> ValueError:
+    """torch's BatchNorm refusing a batch of one value per channel, with the fix (a short last batch, usually)."""
+    text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    if "Expected more than 1 value per channel when training" not in text:
+        return err
+    return ValueError(f"{text}: a training micro-batch of {samples} sample(s) reached BatchNorm, which needs 2 "
+                      "values per channel (the epoch's short last batch, or a small image at the last stage); set "
+                      "trainer.drop_last=true, or a batch size or data.image_size that leaves at least 2")
 
 
 def optimizer_step(loop: Loop, state: TrainState, hooks: Hooks) -> bool:

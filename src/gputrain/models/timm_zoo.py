@@ -94,8 +94,10 @@ def download(repo: str, given: str, *, local_only: bool = False) -> Path:
     """``model.safetensors`` of ``repo`` from the Hugging Face cache, downloaded there unless it is there already."""
     from huggingface_hub import hf_hub_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+    from huggingface_hub.utils import logging as hub_logging
 
     offline = local_only or os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes")
+    hub_logging.set_verbosity_error()  # its retries print a line each; the failure is said once, below
     try:
         return Path(hf_hub_download(repo, "model.safetensors", cache_dir=_cache_dir(), local_files_only=offline))
     except (LocalEntryNotFoundError, HfHubHTTPError, OSError) as err:
@@ -103,4 +105,4 @@ def download(repo: str, given: str, *, local_only: bool = False) -> Path:
         raise ValueError(f"model.weights={given!r}: cannot fetch model.safetensors of {repo} ({reason}); download "
                          f"https://huggingface.co/{repo}/resolve/main/model.safetensors and pass "
                          f"model.weights=/path/to/model.safetensors (or fill {_cache_dir()} where the hub can be "
-                         "reached)") from None
+                         "reached; HF_HUB_OFFLINE=1 skips the retries)") from None

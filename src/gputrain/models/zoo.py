@@ -19,6 +19,9 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import os
+import re
+import sys
 from collections.abc import Sequence
 from importlib import import_module
 from typing import Any
@@ -150,8 +153,35 @@ def build(name: str, kind: str, **kwargs: Any) -> nn.Module:
     import torchvision
 
     try:
-        return torchvision.models.get_model(name, weights=None, **kwargs)
+        model = torchvision.models.get_model(name, weights=None, **kwargs)
     except (TypeError, ValueError, AssertionError) as err:  # an option the builder refuses, a size it cannot take
         reason = " ".join(str(err).split()).rstrip(".")
-        sized = "; choose data.image_size (224 fits every torchvision model)" if "size" in reason else ""
-        raise ValueError(f"model.name={name!r} cannot be built with {kwargs}: {reason}{sized}") from None
+        raise ValueError(f"model.name={name!r} cannot be built with {kwargs}: {reason}{_hint(reason)}") from None
+    _note_ignored(name, model, kwargs)
+    return model
+
+
+def _hint(reason: str) -> str:
+    """The fix for a builder's refusal: drop an option it does not take, or choose another input size."""
+    option = re.search(r"(?:multiple values for argument|unexpected keyword argument) '(\w+)'", reason)
+    if option:
+        return f"; drop model.kwargs.{option.group(1)} (this model sets or lacks it)"
+    if "size" in reason:
+        return "; choose data.image_size (224 fits every torchvision model)"
+    return ""
+
+
+def _note_ignored(name: str, model: nn.Module, kwargs: dict[str, Any]) -> None:
+    """Some builders and classes take ``**kwargs`` and drop what they do not know (MobileNetV3, the segmentation
+    builders): a misspelled option would change nothing, silently. Named here, in one line, not refused (a class may
+    pass it on to a part that takes it)."""
+    import torchvision
+
+    known: set[str] = set(inspect.signature(torchvision.models.get_model_builder(name)).parameters)
+    for cls in type(model).__mro__:
+        if "__init__" in vars(cls):
+            known |= set(inspect.signature(cls.__init__).parameters)  # type: ignore[misc]
+    unknown = sorted(k for k in kwargs if k not in known)
+    if unknown and os.environ.get("RANK", "0") == "0":
+        print(f"gputrain: model.kwargs {', '.join(unknown)}: no option of that name in {name}'s builder or "
+              f"{type(model).__name__}; it may be ignored (check the spelling)", file=sys.stderr, flush=True)
