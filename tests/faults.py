@@ -657,7 +657,7 @@ FAULTS: tuple[Fault, ...] = (
           ("tests/e2e/test_pretrained.py::test_a_state_dict_saved_from_a_ddp_wrapped_model_loads_without_its_module_prefix",)),
     # -- src/gputrain/optim.py -------------------------------------------------------------------------------
     Fault("pretrained tensors trained at the head's learning rate", "src/gputrain/optim.py",
-          (('"lr": cfg.lr * cfg.pretrained_lr_scale}', '"lr": cfg.lr}'),),
+          (('            group["lr"] = cfg.lr * cfg.pretrained_lr_scale', '            group["lr"] = cfg.lr'),),
           ("tests/e2e/test_finetune.py::test_pretrained_tensors_get_their_own_learning_rate_and_the_head_keeps_lr",)),
     Fault("optim.fused ignored", "src/gputrain/optim.py",
           (('{"fused": True} if cfg.fused is True else {}', "{}"),),
