@@ -153,6 +153,9 @@ REFUSED = [
     ("trainer.grad_clip_norm=1000001", "trainer.grad_clip_norm=1000001.0 must be in [0, 1000000]"),
     ("trainer.timeout_s=0", "trainer.timeout_s=0.0 must be in (0, 10000000]"),
     ("trainer.timeout_s=10000001", "trainer.timeout_s=10000001.0 must be in (0, 10000000]"),
+    ("trainer.ema_decay=1", "trainer.ema_decay=1.0 must be in [0, 1), e.g. 0.99998 as torchvision's ResNet-50 v2 "
+                            "recipe; 0 is off"),
+    ("trainer.ema_every_n_steps=0", f"trainer.ema_every_n_steps=0 {_ATOM}"),
     ("trainer.seed=-1", f"trainer.seed=-1 {_SEED}"),
     ("trainer.seed=4294967296", f"trainer.seed=4294967296 {_SEED}"),
     ("data.split_seed=-1", f"data.split_seed=-1 {_SEED}"),

@@ -3,7 +3,8 @@ policies, random erasing, training and validation sizes, label smoothing, and no
 
 Each option is checked by what it does to an image or a gradient, with the defaults augmenting exactly as before;
 a hand-written loop with the reference's formulas (``CrossEntropyLoss(label_smoothing)``, its ``set_weight_decay``
-groups) trains the same weights as gputrain; and every bad value is one line.
+groups, its ``ExponentialMovingAverage`` with its decay adjustment and warm-up restarts) trains the same weights and
+moving average as gputrain; and every bad value is one line.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from torch.utils.data import TensorDataset
 from torchvision.transforms import v2
 
 from gputrain import Trainer
-from gputrain.config import OptimConfig, RunConfig, load_config
+from gputrain.config import OptimConfig, RunConfig, SchedulerConfig, load_config
 from gputrain.data.classfolder import classification_transform
 from gputrain.data.images import IMAGENET_MEAN, IMAGENET_STD
 from gputrain.data.samplers import SeededSamples
@@ -132,29 +133,55 @@ def _reference_groups(model: nn.Module, weight_decay: float, norm_decay: float, 
     return [{"params": groups[k], "weight_decay": decay[k]} for k in groups if groups[k]]
 
 
-def test_label_smoothing_and_norm_and_bias_decay_train_what_the_references_formulas_train(tmp_path):
+class _ReferenceEMA(torch.optim.swa_utils.AveragedModel):
+    """torchvision's references/classification/utils.py ``ExponentialMovingAverage``, written out: an averaged
+    model over parameters and buffers with ``decay * average + (1 - decay) * weights``."""
+
+    def __init__(self, model: nn.Module, decay: float) -> None:
+        super().__init__(model, avg_fn=lambda average, weights, _: decay * average + (1 - decay) * weights,
+                         use_buffers=True)
+
+
+def test_label_smoothing_norm_and_bias_decay_and_ema_train_what_the_references_formulas_train(tmp_path):
     g = torch.Generator().manual_seed(1)
     data = TensorDataset(torch.randn(16, 3, 6, 6, generator=g), torch.randint(0, 3, (16,), generator=g))
     optim = OptimConfig(name="sgd", lr=0.1, momentum=0.9, weight_decay=0.05, label_smoothing=0.1,
                         norm_weight_decay=0.0, bias_weight_decay=0.01)
-    trainer = Trainer(RunConfig(task="classification", optim=optim), strategy="single", accelerator="cpu",
-                      batch_size=16, epochs=20,
+    cfg = RunConfig(task="classification", optim=optim, scheduler=SchedulerConfig(warmup_steps=4))
+    trainer = Trainer(cfg, strategy="single", accelerator="cpu", batch_size=16,
+                      epochs=20, ema_decay=0.995, ema_every_n_steps=2,
                       out=str(tmp_path), progress_bar=False, loggers=[], enable_checkpointing=False)
     trainer.fit(_net(), data, task=ClassificationTask(3, label_smoothing=0.1))
     ours = trainer.strategy.model_state_dict(trainer.module)
+    assert trainer.loop is not None and trainer.loop.ema is not None
+    ours_ema = trainer.loop.ema.full_state()
 
-    model = _net()  # the hand-written loop: one full batch per step, 20 steps
+    model = _net()  # the hand-written loop: one full batch per step, 20 steps, 4 of warm-up
     sgd = torch.optim.SGD(_reference_groups(model, 0.05, 0.0, 0.01), lr=0.1, momentum=0.9)
+    warmup = torch.optim.lr_scheduler.LambdaLR(sgd, lambda step: (step + 1) / 4 if step < 4 else 1.0)
+    # The reference's adjustment: alpha = (1 - decay) x world size x batch x model_ema_steps / epochs.
+    ema = _ReferenceEMA(model, decay=1 - min(1.0, (1 - 0.995) * 16 * 2 / 20))
     criterion = nn.CrossEntropyLoss(label_smoothing=0.1)
-    for _ in range(20):
+    for step in range(1, 21):
         sgd.zero_grad()
         criterion(model(data.tensors[0]), data.tensors[1]).backward()
         sgd.step()
+        warmup.step()
+        if step % 2 == 0:
+            ema.update_parameters(model)
+            if step <= 4:  # in the warm-up the reference restarts its average at every update
+                ema.n_averaged.fill_(0)
     moved = max(float((a - b).abs().max()) for a, b in zip(model.state_dict().values(), _net().state_dict().values(),
                                                           strict=True) if a.is_floating_point())
     assert moved > 1e-2
     for key, value in model.state_dict().items():
         torch.testing.assert_close(ours[key], value, rtol=0, atol=1e-6, msg=key)
+    lag = max(float((a - b).abs().max()) for a, b in zip(ema.module.state_dict().values(),
+                                                        model.state_dict().values(), strict=True) if a.is_floating_point())
+    assert lag > 1e-3  # the average trails the weights: it is not a copy
+    for key, value in ema.module.state_dict().items():  # an integer buffer (num_batches_tracked) is copied here
+        if value.is_floating_point():
+            torch.testing.assert_close(ours_ema[key], value, rtol=0, atol=1e-6, msg=key)
     smoothed = ClassificationTask(3, label_smoothing=0.1).loss(torch.eye(3) * 4, torch.arange(3))
     assert float(smoothed) == pytest.approx(float(F.cross_entropy(torch.eye(3) * 4, torch.arange(3),
                                                                   label_smoothing=0.1)))

@@ -77,9 +77,9 @@ class Checkpointer:
                 if self._write_group is None:
                     self._write_group = new_write_group()
                 self._shards = after = save_sharded_async(parts.strategy, parts.module, parts.optimizer, folder,
-                                                          self._write_group)
+                                                          self._write_group, parts.ema)
             else:
-                save_sharded(parts.strategy, parts.module, parts.optimizer, folder)
+                save_sharded(parts.strategy, parts.module, parts.optimizer, folder, parts.ema)
                 comm.barrier()
         state = checkpoint_state(parts, extra, folder_name)
         path, failed = None, None

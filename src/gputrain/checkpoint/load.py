@@ -42,25 +42,38 @@ def _load_safely(path: Path, map_location: str | torch.device) -> Any:
         ) from None
 
 
+WEIGHTS = ("model", "ema")
+"""What a tool may load from a checkpoint: the trained weights, or their moving average (``trainer.ema_decay``)."""
+
+
 def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu", *,
-                    gather_sharded: bool = False) -> dict[str, Any]:
+                    gather_sharded: bool = False, weights: str = "model") -> dict[str, Any]:
     """Load a gputrain checkpoint with ``weights_only=True`` after :func:`verify`; errors name the file.
 
     ``gather_sharded``: a sharded checkpoint's weights (``parallel.sharded_checkpoint``, in a DCP folder beside
     the file) are gathered into ``state["model"]`` in this process, as the tools that evaluate, export or
     predict need them; resuming leaves them in the folder, for each rank to read its own shards.
+    ``weights="ema"``: ``state["model"]`` holds the moving average of the weights instead (tools only).
     """
     path = Path(path)
     verify(path)
     state = _load_safely(path, map_location)
     if not isinstance(state, dict) or "model" not in state:
         raise ValueError(f"checkpoint {path} is not a gputrain checkpoint (no 'model' entry)")
-    if gather_sharded and state.get("sharded"):
+    if weights == "ema":
+        ema = state.get("ema")
+        if not ema:
+            raise ValueError(f"checkpoint {path} holds no moving average of the weights (its run had "
+                             "trainer.ema_decay=0); drop --weights ema to use its trained weights")
+        state["model"] = _sharded_weights(path, state["sharded"], "ema") if state.get("sharded") else ema["weights"]
+    elif weights != "model":
+        raise ValueError(f"--weights {weights} is unknown; choose {' or '.join(WEIGHTS)}")
+    elif gather_sharded and state.get("sharded"):
         state["model"] = _sharded_weights(path, state["sharded"])
     return state
 
 
-def _sharded_weights(path: Path, folder_name: str) -> dict[str, torch.Tensor]:
+def _sharded_weights(path: Path, folder_name: str, key: str = "model") -> dict[str, torch.Tensor]:
     """The full model weights of sharded checkpoint ``path``, read from its DCP folder without a process group."""
     from gputrain.checkpoint.sharded import dcp_model_weights
 
@@ -69,7 +82,7 @@ def _sharded_weights(path: Path, folder_name: str) -> dict[str, torch.Tensor]:
         raise FileNotFoundError(f"checkpoint {path} is sharded: its weights are in the folder {folder}, which is "
                                 f"missing; copy {folder_name}/ beside it (it sits beside the file in the run's "
                                 "checkpoints/), or use a checkpoint saved without parallel.sharded_checkpoint")
-    return dcp_model_weights(folder)
+    return dcp_model_weights(folder, key)
 
 
 def model_weights(path: str | Path) -> dict[str, torch.Tensor]:

@@ -56,32 +56,39 @@ def _metadata_keys(folder: Path) -> set[str]:
     return set(dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata)
 
 
-def _sharded_state(strategy: Strategy, module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+def _sharded_state(strategy: Strategy, module: nn.Module, optimizer: torch.optim.Optimizer,
+                   ema: dict[str, torch.Tensor] | None) -> dict[str, Any]:
     # Replicated tensors are written once, from whichever rank DCP picks: make every rank hold rank 0's
     # buffers (BatchNorm statistics differ by rank after training) so the saved copy is well defined.
     strategy.prepare_eval(module)
     model = strategy.unwrap(module)
-    return {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
+    state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
+    if ema is not None:  # the EMA's own shards, under the model's keys (never gathered)
+        state["ema"] = ema
+    return state
 
 
-def save_sharded(strategy: Strategy, module: nn.Module, optimizer: torch.optim.Optimizer, folder: str | Path) -> Path:
-    """Write model and optimizer state as a DCP folder, each rank its own shards. A collective on all ranks."""
+def save_sharded(strategy: Strategy, module: nn.Module, optimizer: torch.optim.Optimizer, folder: str | Path,
+                 ema: dict[str, torch.Tensor] | None = None) -> Path:
+    """Write model and optimizer state (and ``ema``, this rank's tensors of the weights' moving average) as a DCP
+    folder, each rank its own shards. A collective on all ranks."""
     folder = Path(folder)
     with _one_process_is_intended():
-        dcp.save(_sharded_state(strategy, module, optimizer), checkpoint_id=str(folder),
+        dcp.save(_sharded_state(strategy, module, optimizer, ema), checkpoint_id=str(folder),
                  no_dist=not dist.is_initialized())
     return folder
 
 
 def save_sharded_async(strategy: Strategy, module: nn.Module, optimizer: torch.optim.Optimizer,
-                       folder: str | Path, group: dist.ProcessGroup | None) -> Future[Any]:
+                       folder: str | Path, group: dist.ProcessGroup | None,
+                       ema: dict[str, torch.Tensor] | None = None) -> Future[Any]:
     """:func:`save_sharded` in the background: a collective that returns once the state is staged in host memory.
 
     The future completes once every rank's shards and (on rank 0) the ``.metadata`` are written; it raises what
     went wrong otherwise. The writes talk over ``group``, a gloo group of their own (:func:`new_write_group`), so
     they never queue behind (or in front of) the training's collectives. Wait for it before the next save.
     """
-    state = _sharded_state(strategy, module, optimizer)
+    state = _sharded_state(strategy, module, optimizer, ema)
     if not dist.is_initialized():
         done: Future[Any] = Future()
         with _one_process_is_intended():
@@ -119,13 +126,15 @@ def prune_sharded_folders(folder: Path, keep: str = "") -> None:
 
 
 def load_sharded(strategy: Strategy, module: nn.Module, optimizer: torch.optim.Optimizer | None,
-                 folder: str | Path) -> None:
-    """Load a DCP folder written on any number of ranks into this run's (sharded or plain) model and optimizer.
+                 folder: str | Path, ema: dict[str, torch.Tensor] | None = None) -> None:
+    """Load a DCP folder written on any number of ranks into this run's (sharded or plain) model and optimizer,
+    and ``ema`` (this rank's tensors of the moving average) in place when given.
 
     A collective on all ranks when a process group exists. ``optimizer=None`` loads the weights only.
     """
     folder = Path(folder)
-    saved = {k.removeprefix("model.") for k in _metadata_keys(folder) if k.startswith("model.")}
+    keys = _metadata_keys(folder)
+    saved = {k.removeprefix("model.") for k in keys if k.startswith("model.")}
     model = strategy.unwrap(module)
     state: dict[str, Any] = {"model": get_model_state_dict(model)}
     missing, unexpected = sorted(set(state["model"]) - saved), sorted(saved - set(state["model"]))
@@ -134,6 +143,11 @@ def load_sharded(strategy: Strategy, module: nn.Module, optimizer: torch.optim.O
                          f"{unexpected[:5]}; load it into the model it was saved from")
     if optimizer is not None:
         state["optimizer"] = get_optimizer_state_dict(model, optimizer)
+    if ema is not None:
+        if not any(k.startswith("ema.") for k in keys):
+            raise ValueError(f"sharded checkpoint {folder} holds no EMA of the weights, though its checkpoint file "
+                             "says it does; resume from another checkpoint")
+        state["ema"] = ema  # loaded in place, each rank its own shards
     with _one_process_is_intended():
         dcp.load(state, checkpoint_id=str(folder), no_dist=not dist.is_initialized())
     set_model_state_dict(model, state["model"])
@@ -141,7 +155,7 @@ def load_sharded(strategy: Strategy, module: nn.Module, optimizer: torch.optim.O
         set_optimizer_state_dict(model, optimizer, state["optimizer"])
 
 
-def dcp_model_weights(folder: str | Path) -> dict[str, torch.Tensor]:
+def dcp_model_weights(folder: str | Path, key: str = "model") -> dict[str, torch.Tensor]:
     """The model entry of a DCP folder as full tensors, read in this process alone (no process group, any number
     of ranks saved it); the optimizer state is not read. What ``gputrain eval``, ``export``, ``predict`` and
     ``report`` load from a sharded checkpoint."""
@@ -153,8 +167,8 @@ def dcp_model_weights(folder: str | Path) -> dict[str, torch.Tensor]:
     state: dict[str, Any] = {}
     # What torch's own dcp_to_torch_save does, for the "model" key alone and without writing a file.
     _load_state_dict(state, storage_reader=dcp.FileSystemReader(str(folder)),
-                     planner=_EmptyStateDictLoadPlanner(keys={"model"}), no_dist=True)
-    return state["model"]
+                     planner=_EmptyStateDictLoadPlanner(keys={key}), no_dist=True)
+    return state[key]
 
 
 def dcp_to_full(folder: str | Path) -> dict[str, Any]:

@@ -51,6 +51,8 @@ class Parts:
     optimizer: torch.optim.Optimizer
     scheduler: Any
     precision: Precision
+    ema: dict[str, torch.Tensor] | None = None
+    """This rank's tensors of the EMA of the weights, which a sharded checkpoint writes beside the model's."""
 
 
 def checkpoint_state(parts: Parts, extra: dict[str, Any], sharded: str = "") -> dict[str, Any]:

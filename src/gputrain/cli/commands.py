@@ -162,7 +162,7 @@ def cmd_eval(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from gputrain.tools.evaluate import evaluate_from_config
     from gputrain.tools.from_checkpoint import build_fitting_model, config_from_checkpoint, load_for_eval
 
-    state = load_for_eval(args.checkpoint)
+    state = load_for_eval(args.checkpoint, args.weights)
     cfg, note = config_from_checkpoint(state, args.checkpoint, recipe=args.recipe,
                                        overrides=_overrides(args, skip=TRAINING_ONLY))
     run = lambda c: evaluate_from_config(c, args.checkpoint, state)  # noqa: E731
@@ -235,7 +235,7 @@ def cmd_export_onnx(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
     check_output_file(args.out, overwrite=args.overwrite)
     export_onnx(args.checkpoint, args.out, input_shape=args.input_shape, opset=args.opset,
-                overrides=list(args.overrides), recipe=args.recipe)
+                overrides=list(args.overrides), recipe=args.recipe, weights=args.weights)
     return EXIT_OK
 
 

@@ -136,6 +136,8 @@ def build_parser(description: str, epilog: str, version: str, eval_hidden: Seque
     ev.add_argument("--checkpoint", required=True, help="a checkpoint file, e.g. runs/ae/checkpoints/last.pt")
     ev.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. trainer.eval_batch_size=64")
     ev.add_argument("--out", help="folder for eval.json (default: RUN/eval beside the checkpoint's run)")
+    ev.add_argument("--weights", choices=["model", "ema"], default="model",
+                    help="ema: the moving average of the weights (runs with trainer.ema_decay)")
     ev.add_argument("--overwrite", action="store_const", const=True, default=None,
                     help="replace an eval.json already in --out")
     add_run_flags(ev, "eval", own=("out", "overwrite"), hidden=eval_hidden)
@@ -184,6 +186,8 @@ def build_parser(description: str, epilog: str, version: str, eval_hidden: Seque
     onnx.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     onnx.add_argument("--input-shape", type=_int_list, default=None, help="e.g. 1,3,80,80 (default: from the data)")
     onnx.add_argument("--opset", type=int, default=18)
+    onnx.add_argument("--weights", choices=["model", "ema"], default="model",
+                      help="ema: the moving average of the weights (runs with trainer.ema_decay)")
     add_common_flags(onnx)
     onnx.set_defaults(func=handlers["export onnx"])
 
@@ -195,6 +199,8 @@ def build_parser(description: str, epilog: str, version: str, eval_hidden: Seque
     pred.add_argument("--input", nargs="+", required=True, help="image files and/or folders of images")
     pred.add_argument("--out", required=True, help="folder for the predictions (a non-empty one needs --overwrite)")
     pred.add_argument("--overwrite", action="store_true", help="replace predictions already in --out")
+    pred.add_argument("--weights", choices=["model", "ema"], default="model",
+                      help="ema: the moving average of the weights (runs with trainer.ema_decay)")
     pred.add_argument("--annotations", default="", help="detection: the COCO json whose image and category ids to use")
     pred.add_argument("--devices", type=int, help="processes on this node")
     pred.add_argument("--accelerator", choices=["auto", "cpu", "cuda"])

@@ -106,6 +106,8 @@ RANGES: dict[str, Range] = {
     "trainer.accumulate_grad_batches": COUNT,
     "trainer.grad_clip_norm": Range(ge=0, le=1e6),
     "trainer.seed": Range(ge=0, le=SEED_MAX),
+    "trainer.ema_decay": Range(ge=0, lt=1, example="e.g. 0.99998 as torchvision's ResNet-50 v2 recipe; 0 is off"),
+    "trainer.ema_every_n_steps": COUNT,
     "trainer.timeout_s": Range(gt=0, le=10**7),
     "trainer.log_every_n_steps": COUNT_OR_OFF,
     "trainer.checkpoint_every_n_epochs": COUNT_OR_OFF,

@@ -223,6 +223,14 @@ class TrainerConfig:
     fp32_modules: list[str] = field(default_factory=list)
     """Modules that run outside autocast, in float32, under 16-mixed or bf16-mixed: qualified names (decoder.aspp)
     or class names (LayerNorm; _BatchNorm for every BatchNorm). The usual fix for a region that overflows float16."""
+    ema_decay: float = 0.0
+    """Keep an exponential moving average of the weights (parameters and BatchNorm statistics), validated as
+    ``val_ema/...`` and saved in checkpoints; 0: off. The reference's ResNet-50 v2 recipe uses 0.99998."""
+    ema_every_n_steps: int = 32
+    """Optimizer steps between EMA updates (the reference's ``--model-ema-steps``)."""
+    ema_adjust: bool = True
+    """Scale ``1 - ema_decay`` by global batch x ema_every_n_steps / epochs, as torchvision's reference does; false
+    applies ema_decay per update as given (timm's convention)."""
     find_unused_parameters: bool = False
     dp_device_ids: list[int] | None = None
     """GPUs for strategy dp; None means all visible."""

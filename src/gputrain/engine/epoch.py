@@ -107,6 +107,8 @@ def run_epoch(loop: Loop, state: TrainState, window: LossWindow, hooks: Hooks, *
         if uneven and not join_empty:
             strategy.finish_gradients(module)
         stepped = optimizer_step(loop, state, hooks)
+        if loop.ema is not None:  # after the step, as the reference: the average follows the stepped weights
+            loop.ema.update(state.global_step)
         overflowing = loop.skips.count(stepped, window, state)
         if overflowing:
             raise loop.non_finite(overflowing[0], state, fix=overflowing[1])

@@ -22,8 +22,10 @@ if TYPE_CHECKING:
 
 
 @torch.no_grad()
-def evaluate_batches(loop: Loop, out: Path, epoch: int, after_batch: Callable[[int, int], Any]) -> dict[str, float]:
-    """Run the validation loader through the model and reduce the task's evaluator over ranks."""
+def evaluate_batches(loop: Loop, out: Path | None, epoch: int,
+                     after_batch: Callable[[int, int], Any]) -> dict[str, float]:
+    """Run the validation loader through the model and reduce the task's evaluator over ranks; ``out``: where an
+    evaluator writes its predictions (detection's), None for none."""
     strategy, task = loop.strategy, loop.task
     assert loop.val_loader is not None
     model = strategy.eval_module(loop.module)

@@ -63,8 +63,13 @@ def announce(loop: Loop, model: nn.Module, out: Path) -> None:
     sizes = [(p.numel(), p.requires_grad) for p in model.parameters()]
     frozen = sum(n for n, trains in sizes if not trains) / max(sum(n for n, _ in sizes), 1)
     checkpoints = loop.checkpointer.mode if loop.checkpointer is not None else ""
+    ema = loop.ema
+    # The decay each update applies, beside the one asked for when the reference's adjustment changed it.
+    averaged = "" if ema is None else (f" ema={ema.decay:.6g}/{ema.every}steps" + (
+        f"(trainer.ema_decay={t.ema_decay:g} adjusted for the global batch and epochs)" if ema.decay != t.ema_decay
+        else ""))
     print(f"gputrain: {loop.strategy.describe()} device={loop.dist.device} precision={loop.precision.name} "
-          f"{loop.fast.describe()} {training_options(loop.cfg, checkpoints=checkpoints, frozen_share=frozen)} "
+          f"{loop.fast.describe()} {training_options(loop.cfg, checkpoints=checkpoints, frozen_share=frozen)}{averaged} "
           f"batch_size={t.batch_size}/process global_batch={loop.global_batch}{loop.lr_note} out={out}", flush=True)
 
 

@@ -24,6 +24,7 @@ from gputrain.config.resolve import Facts, FastPath, resolve_run, usable_cores
 from gputrain.config.schema import RunConfig
 from gputrain.data.samplers import SeededSamples, StepBatchSampler
 from gputrain.dist import DistInfo, comm
+from gputrain.engine.ema import WeightAverage
 from gputrain.engine.fast import apply_backend_flags, prepare_model
 from gputrain.engine.state import SkippedSteps, seed_everything
 from gputrain.errors import NonFiniteError
@@ -57,6 +58,8 @@ class Loop:
     """How the learning rate was chosen, for the start-up line."""
     first_step_s: float | None = None
     """Seconds of this process's first optimizer step (compilation included when ``trainer.compile``)."""
+    ema: WeightAverage | None = None
+    """The moving average of the weights (``trainer.ema_decay``), or None."""
     skips: SkippedSteps = dataclasses.field(init=False)
     """Steps the loss scaler skipped (16-mixed), and the limit that ends a run."""
 
@@ -67,7 +70,8 @@ class Loop:
     def parts(self) -> Parts:
         assert self.optimizer is not None
         return Parts(dist=self.dist, strategy=self.strategy, module=self.module, optimizer=self.optimizer,
-                     scheduler=self.scheduler, precision=self.precision)
+                     scheduler=self.scheduler, precision=self.precision,
+                     ema=self.ema.tensors if self.ema is not None else None)
 
     @property
     def target_device(self) -> torch.device:
@@ -159,6 +163,7 @@ def build_training(loop: Loop, train_data: Dataset, val_data: Dataset | None, ou
     loop.lr_note = f" lr={lr:g}" + (f" ({o.scale_lr} from {o.lr:g} at batch {o.reference_batch})"
                                     if o.scale_lr != "none" else "")
     loop.optimizer = strategy.setup_optimizer(loop.module, dataclasses.replace(o, lr=lr))
+    loop.ema = WeightAverage.for_run(cfg, strategy, loop.module, loop.global_batch)
     # Weights were initialised from the shared seed; from here on (dropout) each rank draws its own
     # stream. Augmentation does not use it: SeededSamples seeds each sample from (seed, epoch, index).
     seed_everything(t.seed + 100_003 * dist.rank)
@@ -192,11 +197,29 @@ def restore_training(loop: Loop, resume: dict[str, Any]) -> tuple[TrainState, di
     if resume.get("sharded"):
         from gputrain.checkpoint.sharded import load_sharded
 
-        load_sharded(loop.strategy, loop.module, loop.optimizer, Path(path).parent / resume["sharded"])
+        load_sharded(loop.strategy, loop.module, loop.optimizer, Path(path).parent / resume["sharded"],
+                     ema=loop.ema.tensors if loop.ema is not None and "ema" in resume else None)
     state = restore(loop.parts, resume, path)
+    if loop.ema is not None:
+        restore_ema(loop.ema, resume, path, loop.dist.is_main)
     if loop.dist.is_main and state.epoch < loop.cfg.trainer.epochs:
         print(resumed_line(path, state), flush=True)
     return state, resume.get("loss_window") or None
+
+
+def restore_ema(ema: WeightAverage, resume: dict[str, Any], path: str, is_main: bool) -> None:
+    """The EMA a checkpoint holds (its full weights, or the sharded folder's, already loaded), or a restart from
+    the resumed weights when it holds none (a run that turned trainer.ema_decay on), said in one line."""
+    saved = resume.get("ema")
+    if not saved:
+        ema.restart_from_weights()
+        if is_main:
+            print(f"gputrain: {path} holds no EMA of the weights (trained with trainer.ema_decay=0): the EMA starts "
+                  "from the resumed weights", flush=True)
+        return
+    if "weights" in saved:
+        ema.load_full(saved["weights"])
+    ema.updates = int(saved.get("updates", 0))
 
 
 def check_same_length(data: Dataset) -> None:

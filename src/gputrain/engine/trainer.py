@@ -166,6 +166,9 @@ class Trainer(BuiltRun):
             if loop.val_loader is not None and self.state.epoch % max(t.eval_every_n_epochs, 1) == 0:
                 eval_start = time.perf_counter()
                 metrics |= {f"val/{k}": v for k, v in self._evaluate(loop).items()}
+                if loop.ema is not None:  # the same exact evaluation, of the EMA's weights and statistics
+                    with loop.ema.swapped_in():
+                        metrics |= {f"val_ema/{k}": v for k, v in self._evaluate(loop, write=False).items()}
                 metrics["time/val_s"] = time.perf_counter() - eval_start
                 val_count = len(loop.val_loader.dataset)  # type: ignore[arg-type]  # every sample once (exact eval)
                 metrics["time/val_images_per_s"] = val_count / max(metrics["time/val_s"], 1e-9)
@@ -202,6 +205,8 @@ class Trainer(BuiltRun):
                  "config": self.config_dict,
                  # The epoch's loss sums so far (a collective): a resumed epoch logs the uninterrupted run's loss.
                  "loss_window": window.carry() if window is not None else {}}
+        if loop.ema is not None:  # a collective: a full checkpoint gathers the EMA as it gathers the model
+            extra["ema"] = loop.ema.checkpoint_entry(sharded=loop.checkpointer.sharded)
         return loop.checkpointer.save(loop.parts, extra, self.state, name, metrics, wait=wait)
 
     def _resume_command(self) -> str:
@@ -224,9 +229,9 @@ class Trainer(BuiltRun):
         finally:
             setup.end_workers(loop.val_loader)  # fit keeps them between epochs; a call of the user's does not
 
-    def _evaluate(self, loop: setup.Loop) -> dict[str, float]:
+    def _evaluate(self, loop: setup.Loop, *, write: bool = True) -> dict[str, float]:
         loop.strategy.prepare_eval(loop.module)
-        metrics = evaluate_batches(loop, self.out, self.state.epoch,
+        metrics = evaluate_batches(loop, self.out if write else None, self.state.epoch,
                                    lambda done, total: self._call("after_eval_batch", done, total))
         loop.module.train()
         return metrics

@@ -178,6 +178,11 @@ class Strategy(ABC):
     def load_model_state_dict(self, module: nn.Module, state: dict[str, torch.Tensor]) -> None:
         self.unwrap(module).load_state_dict(strip_module_prefix(state))
 
+    def named_weights(self, module: nn.Module) -> dict[str, torch.Tensor]:
+        """This rank's live parameters and buffers under the plain model's keys, sharing their storage (an FSDP
+        shard stays a shard): what an average of the weights follows and is swapped with."""
+        return strip_module_prefix(self.unwrap(module).state_dict())
+
     def optimizer_state_dict(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         return optimizer.state_dict()
 

@@ -132,6 +132,11 @@ class Pipeline(StagedStrategy):
             return super().load_model_state_dict(module, state)
         module.load_local_model_state(state)
 
+    def named_weights(self, module: nn.Module) -> dict[str, torch.Tensor]:
+        if not isinstance(module, PipelinedModel) or module.stage is None:
+            return super().named_weights(module)
+        return {module.key_map[k]: v for k, v in module.stage.state_dict().items()}  # this stage's, live
+
     def optimizer_state_dict(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """One process's optimizer state (indices of the plain model's parameters) on rank 0; a collective."""
         if not isinstance(module, PipelinedModel) or module.stage is None:

@@ -31,13 +31,13 @@ def check_export_packages() -> None:
 
 
 def model_from_checkpoint(path: str | Path, overrides: Sequence[str] = (),
-                          recipe: str | None = None) -> tuple[nn.Module, RunConfig]:
+                          recipe: str | None = None, weights: str = "model") -> tuple[nn.Module, RunConfig]:
     """Rebuild the model a checkpoint was trained with (from its saved config) and load its weights.
 
     ``recipe`` is needed only for a checkpoint without a saved config; one of another task or model
     is ignored with a printed line (never merged into the checkpoint's model).
     """
-    state = load_checkpoint(path, gather_sharded=True)
+    state = load_checkpoint(path, gather_sharded=True, weights=weights)
     cfg, note = config_from_checkpoint(state, path, recipe=recipe, overrides=list(overrides), command="export")
     if note:
         print(note, flush=True)
@@ -123,10 +123,12 @@ def _export(model: nn.Module, example: torch.Tensor, out: str | Path, opset: int
 
 
 def export_onnx(checkpoint: str | Path, out: str | Path, *, input_shape: Sequence[int] | None = None,
-                opset: int = 18, overrides: Sequence[str] = (), recipe: str | None = None) -> float:
-    """Export a checkpoint's model to ``out``; returns max |onnxruntime - PyTorch| on a sample input."""
+                opset: int = 18, overrides: Sequence[str] = (), recipe: str | None = None,
+                weights: str = "model") -> float:
+    """Export a checkpoint's model (``weights="ema"``: its moving average) to ``out``; returns max |onnxruntime -
+    PyTorch| on a sample input."""
     check_export_packages()
-    model, cfg = model_from_checkpoint(checkpoint, overrides, recipe)
+    model, cfg = model_from_checkpoint(checkpoint, overrides, recipe, weights)
     return _export(model, _example(cfg, input_shape), out, opset)
 
 

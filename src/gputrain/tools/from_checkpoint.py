@@ -25,17 +25,20 @@ _NOT_CARRIED = {"out": "", "resume": "", "overwrite": False, "devices": 1}
 """Trainer fields of the training run that say where and how big it ran, not what to evaluate."""
 
 
-def load_for_eval(path: str | Path) -> dict[str, Any]:
+def load_for_eval(path: str | Path, weights: str = "model") -> dict[str, Any]:
     """A gputrain checkpoint, or a bare ``state_dict`` file as ``{"model": ...}`` (it has no saved config).
 
-    A sharded checkpoint's weights are gathered from its folder. Errors are the checkpoint loader's one line
-    naming the file (truncated, corrupt, unsafe).
+    A sharded checkpoint's weights are gathered from its folder; ``weights="ema"`` puts the moving average of the
+    weights in ``state["model"]``. Errors are the checkpoint loader's one line naming the file (truncated, corrupt,
+    unsafe, no moving average).
     """
     from gputrain.checkpoint import load_checkpoint, model_weights
 
     try:
-        return load_checkpoint(path, gather_sharded=True)
+        return load_checkpoint(path, gather_sharded=True, weights=weights)
     except ValueError as first:
+        if weights != "model":
+            raise
         try:
             return {"model": model_weights(path)}
         except Exception:  # not a state_dict either: the first message says why

@@ -45,7 +45,7 @@ def prepare_predict(args: argparse.Namespace, overrides: list[str]) -> tuple[Run
     from gputrain.tools.from_checkpoint import config_from_checkpoint, load_for_eval, saved_config
     from gputrain.tools.predict.run import predict_from_config
 
-    state = load_for_eval(args.checkpoint)
+    state = load_for_eval(args.checkpoint, args.weights)
     if saved_config(state) is None:
         raise ValueError(f"checkpoint {args.checkpoint} holds no saved config, so no task to predict with; predict "
                          "with a checkpoint written by gputrain train (RUN/checkpoints/last.pt)")

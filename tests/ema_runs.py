@@ -1,0 +1,76 @@
+"""The runs of the EMA tests (tests/distributed/test_ema.py): one small model with BatchNorm, its data, and a short
+``Trainer.fit`` with an EMA of the weights that the 2-rank worker and the 1-process test share."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from gputrain import Trainer
+from gputrain.config import OptimConfig, ParallelConfig, RunConfig
+from gputrain.engine.hooks import Hook, RunContext
+from gputrain.tasks.base import Task
+
+N_TRAIN, N_VAL = 37, 9  # 37 = 6 x 6 + 1: 7 steps an epoch, the last of one sample (rank 1 joins it empty)
+GLOBAL_BATCH = 6
+CRASH_AFTER = 9  # epoch 2, after its second step: a mid-epoch checkpoint (every 2 steps) is the newest
+
+
+def ema_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                         nn.Sequential(nn.Conv2d(8, 16, 3), nn.BatchNorm2d(16), nn.ReLU()),
+                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 5))
+
+
+def data(n: int, seed: int) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    return TensorDataset(torch.rand(n, 3, 8, 8, generator=g) * 2, torch.randint(0, 5, (n,), generator=g))
+
+
+class CrashAfter(Hook):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def after_step(self, ctx: RunContext, logs: dict[str, float] | None) -> None:
+        if ctx.state.global_step == self.step:
+            raise RuntimeError(f"planned crash after step {self.step}")
+
+
+def fit(out: Path, *, strategy: str, devices: int, resume: str = "", crash: bool = False, sharded: bool = False,
+        **trainer: Any) -> Trainer:
+    """2 epochs with an EMA updated every step, checkpoints every 2 steps (``sharded``: DCP folders); with
+    ``crash``, stopped after step 9."""
+    options: dict[str, Any] = dict(
+        accelerator="cpu", batch_size=GLOBAL_BATCH // devices, epochs=2, progress_bar=False, loggers=[],
+        log_every_n_steps=1, sync_batchnorm=True, ema_decay=0.7, ema_every_n_steps=1, ema_adjust=False,
+        checkpoint_every_n_steps=2, keep_last=20, monitor="val_ema/loss", eval_batch_size=4)
+    cfg = RunConfig(optim=OptimConfig(name="sgd", lr=0.2, momentum=0.9),
+                    parallel=ParallelConfig(sharded_checkpoint=sharded))
+    t = Trainer(cfg, strategy=strategy, devices=devices,
+                out=str(out), resume=resume, hooks=[CrashAfter(CRASH_AFTER)] if crash else [], **(options | trainer))
+    try:
+        t.fit(ema_model(), data(N_TRAIN, 1), data(N_VAL, 2), task=Task(nn.functional.cross_entropy))
+    except RuntimeError as err:
+        if not crash or "planned crash" not in str(err):
+            raise
+    return t
+
+
+def ema_of(trainer: Trainer) -> dict[str, torch.Tensor]:
+    """The run's EMA as a full state dict (a collective; ``{}`` off rank 0 under FSDP)."""
+    assert trainer.loop is not None and trainer.loop.ema is not None
+    return trainer.loop.ema.full_state()
+
+
+def local_ema_numel(trainer: Trainer) -> tuple[int, int]:
+    """Elements this rank holds of the EMA, and of the model's parameters and buffers in full."""
+    assert trainer.loop is not None and trainer.loop.ema is not None
+    from torch.distributed.tensor import DTensor
+
+    held = sum((t.to_local() if isinstance(t, DTensor) else t).numel() for t in trainer.loop.ema.tensors.values())
+    return held, sum(t.numel() for t in ema_model().state_dict().values())
