@@ -25,7 +25,7 @@ UNITS = "tests/unit/test_units.py"
 CHECKLIST = "tests/unit/test_gpu_checklist.py"
 UINT8 = "tests/unit/test_device_normalize_tasks.py"
 F16 = "tests/unit/test_float16_skips.py"
-EMA = "tests/distributed/test_ema.py"
+EMA = "tests/distributed/test_recipe_distributed.py"
 EMA_REFERENCE = "tests/unit/test_recipe_options.py::test_label_smoothing_norm_and_bias_decay_and_ema_train_what_the_references_formulas_train"
 
 
@@ -364,14 +364,14 @@ FAULTS: tuple[Fault, ...] = (
             "usable = (n // self.global_batch) * self.global_batch if drop_last else len(self.order)")),
           (f"{UNIT}::test_training_reads_every_sample_once_per_epoch",)),
     Fault("augmentation seed ignores the epoch", "src/gputrain/data/samplers.py",
-          (("manual_seed(((self.seed * 1_000_003 + epoch) * 2_147_483_647", "manual_seed(((self.seed * 1_000_003) * 2_147_483_647"),),
+          (("        mixed = ((self.seed * 1_000_003 + epoch) * 2_147_483_647", "        mixed = ((self.seed * 1_000_003) * 2_147_483_647"),),
           ("tests/unit/test_issue_15_faults.py::test_augmentation_changes_from_epoch_to_epoch_and_repeats_within_one",)),
     Fault("[28.11] a rank's sampler length counts its empty micro-batches", "src/gputrain/data/samplers.py",
-          (("for micro in self.plan.micro_batches(k) if micro[self.dp_rank])",
-            "for micro in self.plan.micro_batches(k))"),),
+          (("for micro in self.plan._positions(k) if micro[self.dp_rank])",
+            "for micro in self.plan._positions(k))"),),
           (f"{UNITS}::test_an_accumulating_epoch_deals_these_samples_to_each_rank_and_a_short_last_step_leaves_rank_1_none",)),
     Fault("[28.11] training batches keyed to epoch 0 whatever the epoch", "src/gputrain/data/samplers.py",
-          (("yield [(self.epoch, i) for i in micro[self.dp_rank]]", "yield [(0, i) for i in micro[self.dp_rank]]"),),
+          (("yield [(self.epoch, *key) for key in micro[self.dp_rank]]", "yield [(0, *key) for key in micro[self.dp_rank]]"),),
           (f"{UNITS}::test_an_accumulating_epoch_deals_these_samples_to_each_rank_and_a_short_last_step_leaves_rank_1_none",)),
     Fault("[28.11] a short last step counted as a whole global batch", "src/gputrain/data/samplers.py",
           (("return min(self.global_batch, self.num_samples - k * self.global_batch)", "return self.global_batch"),),
@@ -1316,4 +1316,35 @@ FAULTS: tuple[Fault, ...] = (
           (('        state["model"] = _sharded_weights(path, state["sharded"], "ema") if state.get("sharded") else '
             'ema["weights"]', '        pass'),),
           ("tests/e2e/test_ema_tools.py::test_eval_predict_and_export_use_the_ema_with_weights_ema",)),
+    # -- issue 44: MixUp, CutMix and repeated augmentation ---------------------------------------------------
+    Fault("[44] a mixing pair is dealt across two ranks", "src/gputrain/engine/setup.py",
+          (("unit=2 if loop.mixer is not None else 1", "unit=1"),),
+          (f"{EMA}::test_mixup_cutmix_and_repeats_train_one_processs_weights_on_two_ranks_and_resume_exactly",)),
+    Fault("[44] each rank draws its own mixing ratio and box", "src/gputrain/data/mix.py",
+          (("        torch.default_generator.manual_seed(((self.seed * 1_000_003 + epoch) * 2_147_483_647 + step) % 2**63)",
+            "        torch.default_generator.manual_seed(((self.seed * 1_000_003 + epoch) * 2_147_483_647 + step\n"
+            "                                             + (torch.distributed.get_rank() if torch.distributed.is_initialized()"
+            " else 0)) % 2**63)"),),
+          (f"{EMA}::test_mixup_cutmix_and_repeats_train_one_processs_weights_on_two_ranks_and_resume_exactly",)),
+    Fault("[44] mixed images keep their own one-hot labels", "src/gputrain/data/mix.py",
+          (("        pairs = torch.stack([lam * a + (1 - lam) * b, lam * b + (1 - lam) * a], dim=1).flatten(0, 1)",
+            "        pairs = torch.stack([a, b], dim=1).flatten(0, 1)"),),
+          ("tests/unit/test_mix.py::test_mixup_blends_each_pair_by_the_ratio_its_labels_carry",)),
+    Fault("[44] the mixing draw leaves the run's generator moved", "src/gputrain/data/mix.py",
+          (("            torch.set_rng_state(saved)", "            pass"),),
+          ("tests/unit/test_mix.py::test_draws_follow_the_step_and_a_sample_without_a_partner_is_left_alone",)),
+    Fault("[44] a repeated sample is augmented as its first training", "src/gputrain/data/samplers.py",
+          (("        if repeat:\n", "        if False:\n"),),
+          ("tests/unit/test_mix.py::test_repeats_train_each_pair_in_a_row_each_augmented_anew",)),
+    Fault("[44] data.repeated_augment does not repeat", "src/gputrain/data/samplers.py",
+          (("            self.order, self._repeat = _repeated(self.order, repeats, n)",
+            "            self._repeat = [0] * n"),),
+          ("tests/unit/test_mix.py::test_repeats_train_each_pair_in_a_row_each_augmented_anew",)),
+    Fault("[44] an odd per-device batch is accepted for mixing", "src/gputrain/config/checks.py",
+          (("    if (d.mixup_alpha or d.cutmix_alpha) and t.batch_size % 2:", "    if False:"),),
+          ("tests/unit/test_mix.py::test_bad_values_are_one_line",)),
+    Fault("[44] mixing is accepted on a task without class labels", "src/gputrain/config/checks.py",
+          (('                       ("data.mixup_alpha", 0.0), ("data.cutmix_alpha", 0.0), ("data.repeated_augment", 1))',
+            '                       ("data.cutmix_alpha", 0.0), ("data.repeated_augment", 1))'),),
+          ("tests/unit/test_mix.py::test_mixing_on_another_task_is_refused",)),
 )

@@ -86,6 +86,9 @@ RANGES: dict[str, Range] = {
     "data.crop_scale": Range(gt=0, le=1, example="e.g. [0.35, 1.0]"),
     "data.hflip": Range(ge=0, le=1, example="0 never flips"),
     "data.random_erase": Range(ge=0, le=1),
+    "data.mixup_alpha": Range(ge=0, le=100, example="e.g. 0.2, as torchvision's ResNet-50 v2 recipe; 0 is off"),
+    "data.cutmix_alpha": Range(ge=0, le=100, example="e.g. 1.0, as torchvision's ResNet-50 v2 recipe; 0 is off"),
+    "data.repeated_augment": Range(ge=1, le=64, example="e.g. 3 as torchvision's --ra-reps; 1 is off"),
     "data.train_crop_size": Range(ge=0, le=65536),
     "data.val_resize_size": Range(ge=0, le=65536),
     "data.val_crop_size": Range(ge=0, le=65536),
@@ -238,7 +241,8 @@ def check_split_options(cfg: RunConfig, stages: int | None = None, strategy: str
 
 CLASSIFICATION_ONLY = (("optim.label_smoothing", 0.0), ("data.auto_augment", ""), ("data.random_erase", 0.0),
                        ("data.crop_scale", [0.08, 1.0]), ("data.hflip", 0.5), ("data.train_crop_size", 0),
-                       ("data.val_resize_size", 0), ("data.val_crop_size", 0), ("data.interpolation", "bilinear"))
+                       ("data.val_resize_size", 0), ("data.val_crop_size", 0), ("data.interpolation", "bilinear"),
+                       ("data.mixup_alpha", 0.0), ("data.cutmix_alpha", 0.0), ("data.repeated_augment", 1))
 """Options the classification task alone reads, with their defaults."""
 
 
@@ -263,6 +267,10 @@ def check_augmentation(cfg: RunConfig) -> None:
         raise ValueError(f"data.val_resize_size={d.val_resize_size} is smaller than the validation crop {crop} "
                          "(data.val_crop_size, else data.image_size); resize to at least the crop, e.g. "
                          f"data.val_resize_size={round(crop * 232 / 224)} as torchvision's 232/224")
+    t = cfg.trainer
+    if (d.mixup_alpha or d.cutmix_alpha) and t.batch_size % 2:
+        raise ValueError(f"data.mixup_alpha/cutmix_alpha mix the samples of each device's batch two by two, and "
+                         f"trainer.batch_size={t.batch_size} is odd; use an even batch size, e.g. {t.batch_size + 1}")
     if cfg.task in ("autoencoder", "segmentation", "detection"):
         for name, default in CLASSIFICATION_ONLY:
             section, field = name.split(".")

@@ -63,6 +63,12 @@ class DataConfig:
     """Classification, class folders: validation centre-crop side; 0: data.image_size (224 when 0)."""
     interpolation: str = "bilinear"
     """Classification: the resize and crop interpolation: nearest, bilinear or bicubic."""
+    mixup_alpha: float = 0.0
+    """Classification: MixUp's Beta(alpha, alpha) (the reference's ``--mixup-alpha``); 0: off."""
+    cutmix_alpha: float = 0.0
+    """Classification: CutMix's Beta(alpha, alpha) (``--cutmix-alpha``); 0: off. With both, each step picks one."""
+    repeated_augment: int = 1
+    """Classification: each sample trains this many times an epoch, each augmented anew (``--ra-reps``); 1: off."""
     normalize_on_device: bool | str = "auto"
     """Loader workers hand over ``uint8`` training images and the training device makes them float (scaled and
     normalized, or divided by 255 for the autoencoder and detection): a quarter of the bytes through shared memory,

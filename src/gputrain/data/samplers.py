@@ -33,13 +33,22 @@ def epoch_permutation(n: int, seed: int, epoch: int, shuffle: bool = True) -> li
 
 
 class EpochPlan:
-    """The global batches of one epoch and how each is cut into micro-batches and rank shares."""
+    """The global batches of one epoch and how each is cut into micro-batches and rank shares.
+
+    ``unit=2`` deals the samples of a micro-batch by stride in pairs of consecutive samples, each pair to one rank
+    (MixUp and CutMix mix a pair's two images, :mod:`gputrain.data.mix`); ``repeats=k`` trains each pair of the
+    permutation k times in a row, the epoch keeping ``n`` samples (the reference's repeated augmentation).
+    """
 
     def __init__(self, n: int, *, seed: int, epoch: int, dp_size: int, batch_size: int, accumulate: int = 1,
-                 drop_last: bool = False, shuffle: bool = True) -> None:
+                 drop_last: bool = False, shuffle: bool = True, unit: int = 1, repeats: int = 1) -> None:
         if n <= 0:
             raise ValueError("the training dataset is empty; check data.root and the split")
         self.order = epoch_permutation(n, seed, epoch, shuffle)
+        self.repeats = repeats
+        if repeats > 1:
+            self.order, self._repeat = _repeated(self.order, repeats, n)
+        self.unit = unit
         self.dp_size, self.batch_size, self.accumulate = dp_size, batch_size, accumulate
         self.global_batch = batch_size * dp_size * accumulate
         usable = (n // self.global_batch) * self.global_batch if drop_last else n
@@ -52,17 +61,44 @@ class EpochPlan:
 
     def micro_batches(self, k: int) -> list[list[list[int]]]:
         """``[micro][dp_rank] -> indices`` of global batch ``k``; a short last batch has fewer or emptier entries."""
+        return [[[self.order[p] for p in share] for share in micro] for micro in self._positions(k)]
+
+    def micro_keys(self, k: int) -> list[list[list[tuple[int, ...]]]]:
+        """:meth:`micro_batches` as the loader's keys: ``(index,)``, or ``(index, repeat)`` with repeats, the repeat
+        being which of the sample's trainings in the epoch this is (so each is augmented anew)."""
+        if self.repeats == 1:
+            return [[[(self.order[p],) for p in share] for share in micro] for micro in self._positions(k)]
+        return [[[(self.order[p], self._repeat[p]) for p in share] for share in micro] for micro in self._positions(k)]
+
+    def _positions(self, k: int) -> list[list[list[int]]]:
+        """``[micro][dp_rank] -> positions in the epoch's order`` of global batch ``k``: each micro-batch of
+        ``batch_size x dp`` consecutive positions dealt to ranks by stride, in units of ``unit`` positions."""
         start = k * self.global_batch
-        step = self.order[start:start + self.step_size(k)]
-        chunk = self.batch_size * self.dp_size
-        return [[step[m + r:m + chunk:self.dp_size] for r in range(self.dp_size)] for m in range(0, len(step), chunk)]
+        end = start + self.step_size(k)
+        chunk, u, dp = self.batch_size * self.dp_size, self.unit, self.dp_size
+        return [[[p for first in range(m + r * u, min(m + chunk, end), u * dp) for p in range(first, min(first + u, end))]
+                 for r in range(dp)] for m in range(start, end, chunk)]
 
     def samples_before(self, k: int) -> int:
         """Samples of the epoch consumed by the first ``k`` steps (the global sample cursor)."""
         return min(k * self.global_batch, self.num_samples)
 
 
-class StepBatchSampler(Sampler[list[tuple[int, int]]]):
+def _repeated(order: list[int], repeats: int, n: int) -> tuple[list[int], list[int]]:
+    """``order`` with each pair of consecutive samples trained ``repeats`` times in a row (``a b a b a b``), cut to
+    ``n``; and which repetition each position is. By pairs, so that MixUp and CutMix, which mix a pair, never mix a
+    sample with its own repetition."""
+    repeated: list[int] = []
+    repetition: list[int] = []
+    for j in range(0, len(order), 2):
+        pair = order[j:j + 2]
+        for r in range(repeats):
+            repeated += pair
+            repetition += [r] * len(pair)
+    return repeated[:n], repetition[:n]
+
+
+class StepBatchSampler(Sampler[list[tuple[int, ...]]]):
     """This rank's non-empty micro-batches of an epoch, from a start step, as ``(epoch, index)`` keys.
 
     The loop calls :meth:`set_epoch` before each epoch (with the step to start from on a
@@ -70,10 +106,11 @@ class StepBatchSampler(Sampler[list[tuple[int, int]]]):
     """
 
     def __init__(self, length: int, *, dp_rank: int, dp_size: int, batch_size: int, accumulate: int = 1,
-                 seed: int = 0, drop_last: bool = False, shuffle: bool = True) -> None:
+                 seed: int = 0, drop_last: bool = False, shuffle: bool = True, unit: int = 1,
+                 repeats: int = 1) -> None:
         self.length, self.dp_rank = length, dp_rank
         self.options = dict(seed=seed, dp_size=dp_size, batch_size=batch_size, accumulate=accumulate,
-                            drop_last=drop_last, shuffle=shuffle)
+                            drop_last=drop_last, shuffle=shuffle, unit=unit, repeats=repeats)
         self.epoch, self.start_step = 0, 0
         self.plan = EpochPlan(length, epoch=0, **self.options)  # type: ignore[arg-type]
 
@@ -81,15 +118,15 @@ class StepBatchSampler(Sampler[list[tuple[int, int]]]):
         self.epoch, self.start_step = epoch, start_step
         self.plan = EpochPlan(self.length, epoch=epoch, **self.options)  # type: ignore[arg-type]
 
-    def __iter__(self) -> Iterator[list[tuple[int, int]]]:
+    def __iter__(self) -> Iterator[list[tuple[int, ...]]]:
         for k in range(self.start_step, self.plan.num_steps):
-            for micro in self.plan.micro_batches(k):
+            for micro in self.plan.micro_keys(k):
                 if micro[self.dp_rank]:
-                    yield [(self.epoch, i) for i in micro[self.dp_rank]]
+                    yield [(self.epoch, *key) for key in micro[self.dp_rank]]
 
     def __len__(self) -> int:
         return sum(1 for k in range(self.start_step, self.plan.num_steps)
-                   for micro in self.plan.micro_batches(k) if micro[self.dp_rank])
+                   for micro in self.plan._positions(k) if micro[self.dp_rank])
 
 
 class SeededSamples(Dataset):
@@ -106,12 +143,15 @@ class SeededSamples(Dataset):
     def __len__(self) -> int:
         return len(self.dataset)  # type: ignore[arg-type]
 
-    def __getitem__(self, key: tuple[int, int]) -> Any:
-        epoch, index = key
+    def __getitem__(self, key: tuple[int, ...]) -> Any:
+        epoch, index, *repeat = key  # a repeated sample's key carries which repetition it is (data.repeated_augment)
         # The CPU generator alone, by hand: torch.manual_seed also seeds every accelerator backend and
         # fork_rng adds its own bookkeeping; together they cost ~0.3 ms a sample, this ~7 us.
         saved = torch.get_rng_state()
-        torch.default_generator.manual_seed(((self.seed * 1_000_003 + epoch) * 2_147_483_647 + index) % 2**63)
+        mixed = ((self.seed * 1_000_003 + epoch) * 2_147_483_647 + index) % 2**63
+        if repeat:
+            mixed = (mixed * 1_000_033 + repeat[0] + 1) % 2**63
+        torch.default_generator.manual_seed(mixed)
         try:
             return self.dataset[index]
         finally:

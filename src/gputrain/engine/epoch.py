@@ -82,9 +82,11 @@ def run_epoch(loop: Loop, state: TrainState, window: LossWindow, hooks: Hooks, *
                 batch = next(batches)
                 data_waits.append(time.perf_counter() - waited)
                 inputs, targets = loop.task.split_batch(batch)
-                inputs = to_memory_format(move_to_device(inputs, strategy.root_device, non_blocking=True),
-                                          loop.fast.channels_last)
+                inputs = move_to_device(inputs, strategy.root_device, non_blocking=True)
                 targets = move_to_device(targets, loop.target_device, non_blocking=True)
+                if loop.mixer is not None:  # MixUp/CutMix: pairs and draws fixed by the global step
+                    inputs, targets = loop.mixer(inputs, targets, epoch=state.epoch, step=k)
+                inputs = to_memory_format(inputs, loop.fast.channels_last)
                 last_inputs = (inputs, targets)
             elif join_empty:
                 if last_inputs is None:  # resumed straight into the short last step: no batch read yet

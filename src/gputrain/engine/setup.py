@@ -22,6 +22,7 @@ from gputrain.checkpoint.state import Parts, TrainState, all_finite, check_same_
 from gputrain.checkpoint.store import CheckpointStore
 from gputrain.config.resolve import Facts, FastPath, resolve_run, usable_cores
 from gputrain.config.schema import RunConfig
+from gputrain.data.mix import PairMixer
 from gputrain.data.samplers import SeededSamples, StepBatchSampler
 from gputrain.dist import DistInfo, comm
 from gputrain.engine.ema import WeightAverage
@@ -60,6 +61,8 @@ class Loop:
     """Seconds of this process's first optimizer step (compilation included when ``trainer.compile``)."""
     ema: WeightAverage | None = None
     """The moving average of the weights (``trainer.ema_decay``), or None."""
+    mixer: PairMixer | None = None
+    """MixUp/CutMix of the training batches (``data.mixup_alpha``, ``data.cutmix_alpha``), or None."""
     skips: SkippedSteps = dataclasses.field(init=False)
     """Steps the loss scaler skipped (16-mixed), and the limit that ends a run."""
 
@@ -167,6 +170,8 @@ def build_training(loop: Loop, train_data: Dataset, val_data: Dataset | None, ou
     # Weights were initialised from the shared seed; from here on (dropout) each rank draws its own
     # stream. Augmentation does not use it: SeededSamples seeds each sample from (seed, epoch, index).
     seed_everything(t.seed + 100_003 * dist.rank)
+    loop.mixer = PairMixer.for_run(cfg, num_classes=int(getattr(loop.task, "num_classes", 0) or 0),
+                                   global_batch=loop.global_batch)
     loop.train_loader, loop.batch_sampler = train_loader(loop, train_data)
     loop.val_loader = None if val_data is None else eval_loader(loop, val_data)
     loop.steps_per_epoch = loop.batch_sampler.plan.num_steps
@@ -250,7 +255,8 @@ def train_loader(loop: Loop, data: Dataset) -> tuple[DataLoader, StepBatchSample
     synthetic = loop.cfg.data.synthetic
     sampler = StepBatchSampler(len(data), dp_rank=strategy.dp_rank, dp_size=strategy.dp_size,  # type: ignore[arg-type]
                                batch_size=t.batch_size, accumulate=t.accumulate_grad_batches, seed=t.seed,
-                               drop_last=t.drop_last)
+                               drop_last=t.drop_last, unit=2 if loop.mixer is not None else 1,
+                               repeats=loop.cfg.data.repeated_augment)
     if synthetic:
         from gputrain.data.synthetic import DeviceResidentSamples
 

@@ -1,5 +1,6 @@
-"""The runs of the EMA tests (tests/distributed/test_ema.py): one small model with BatchNorm, its data, and a short
-``Trainer.fit`` with an EMA of the weights that the 2-rank worker and the 1-process test share."""
+"""The runs of the recipe tests (tests/distributed/test_recipe_distributed.py): one small model with BatchNorm, its
+data, and a short ``Trainer.fit`` with an EMA of the weights (and, with ``mix``, MixUp, CutMix and repeated
+augmentation) that the 2-rank worker and the 1-process test share."""
 
 from __future__ import annotations
 
@@ -11,12 +12,14 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from gputrain import Trainer
-from gputrain.config import OptimConfig, ParallelConfig, RunConfig
+from gputrain.config import DataConfig, OptimConfig, ParallelConfig, RunConfig
 from gputrain.engine.hooks import Hook, RunContext
 from gputrain.tasks.base import Task
+from gputrain.tasks.classification import ClassificationTask
 
 N_TRAIN, N_VAL = 37, 9  # 37 = 6 x 6 + 1: 7 steps an epoch, the last of one sample (rank 1 joins it empty)
 GLOBAL_BATCH = 6
+MIX_BATCH = 8  # mixing pairs samples in each device's batch: an even one on 1 and 2 ranks
 CRASH_AFTER = 9  # epoch 2, after its second step: a mid-epoch checkpoint (every 2 steps) is the newest
 
 
@@ -42,23 +45,31 @@ class CrashAfter(Hook):
 
 
 def fit(out: Path, *, strategy: str, devices: int, resume: str = "", crash: bool = False, sharded: bool = False,
-        **trainer: Any) -> Trainer:
+        mix: bool = False, alphas: tuple[float, float] = (0.4, 1.0), **trainer: Any) -> Trainer:
     """2 epochs with an EMA updated every step, checkpoints every 2 steps (``sharded``: DCP folders); with
-    ``crash``, stopped after step 9."""
+    ``crash``, stopped after step 9; with ``mix``, a global batch of 8 mixed by MixUp or CutMix, each sample
+    twice an epoch."""
     options: dict[str, Any] = dict(
-        accelerator="cpu", batch_size=GLOBAL_BATCH // devices, epochs=2, progress_bar=False, loggers=[],
+        accelerator="cpu", batch_size=(MIX_BATCH if mix else GLOBAL_BATCH) // devices, epochs=2, progress_bar=False, loggers=[],
         log_every_n_steps=1, sync_batchnorm=True, ema_decay=0.7, ema_every_n_steps=1, ema_adjust=False,
         checkpoint_every_n_steps=2, keep_last=20, monitor="val_ema/loss", eval_batch_size=4)
-    cfg = RunConfig(optim=OptimConfig(name="sgd", lr=0.2, momentum=0.9),
-                    parallel=ParallelConfig(sharded_checkpoint=sharded))
+    cfg = RunConfig(task="classification" if mix else "autoencoder", optim=OptimConfig(name="sgd", lr=0.2, momentum=0.9),
+                    parallel=ParallelConfig(sharded_checkpoint=sharded),
+                    data=DataConfig(mixup_alpha=alphas[0], cutmix_alpha=alphas[1], repeated_augment=2) if mix
+                    else DataConfig())
     t = Trainer(cfg, strategy=strategy, devices=devices,
                 out=str(out), resume=resume, hooks=[CrashAfter(CRASH_AFTER)] if crash else [], **(options | trainer))
     try:
-        t.fit(ema_model(), data(N_TRAIN, 1), data(N_VAL, 2), task=Task(nn.functional.cross_entropy))
+        t.fit(ema_model(), data(N_TRAIN, 1), data(N_VAL, 2),
+              task=ClassificationTask(5) if mix else Task(nn.functional.cross_entropy))
     except RuntimeError as err:
         if not crash or "planned crash" not in str(err):
             raise
     return t
+
+
+def weights_of(trainer: Trainer) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in trainer.strategy.model_state_dict(trainer.module).items()}
 
 
 def ema_of(trainer: Trainer) -> dict[str, torch.Tensor]:

@@ -1,12 +1,15 @@
-"""The EMA of the weights (``trainer.ema_decay``) keeps gputrain's promises, on 2 real gloo ranks (issue 44).
+"""The reference recipe's run-level options keep gputrain's promises, on 2 real gloo ranks (issue 44): the EMA of the
+weights (``trainer.ema_decay``), and MixUp, CutMix and repeated augmentation.
 
 One start of 2 ranks (the ``ranks`` fixture) trains a small model with BatchNorm under ddp and under fsdp (sharded
-checkpoints), each once straight through and once crashed mid-epoch and resumed, and evaluates the ddp run's EMA
-weights on 2 ranks; the test process trains the 1-process reference and resumes the 2-rank checkpoint on 1 process.
+checkpoints), each once straight through and once crashed mid-epoch and resumed, evaluates the ddp run's EMA
+weights on 2 ranks, and trains with MixUp, CutMix and repeats on (straight through, and crashed and resumed); the
+test process trains the 1-process references and resumes a 2-rank checkpoint on 1 process.
 Checked: ddp's EMA equals one process's, fsdp's equals ddp's and each rank holds half of it; a resume mid-epoch ends
 with the uninterrupted EMA bit for bit on the same world size and within float tolerance on another; the sharded
 folder holds the EMA; the EMA evaluates to the logged ``val_ema`` metrics on 1 and 2 ranks; ``val_ema/loss`` can
-pick best.pt.
+pick best.pt. With MixUp, CutMix and each sample twice an epoch, ddp ends with one process's weights and a resume
+with the uninterrupted run's, bit for bit.
 """
 
 from __future__ import annotations
@@ -19,12 +22,12 @@ import pytest
 import torch
 from torch import nn
 
-from ema_runs import CRASH_AFTER, N_VAL, data, ema_model, ema_of, fit, local_ema_numel
 from gputrain import Trainer
 from gputrain.checkpoint import load_checkpoint
 from gputrain.dist import DistInfo
 from gputrain.tasks.base import Task
 from multiproc import run_ranks
+from training_recipe_runs import CRASH_AFTER, N_VAL, data, ema_model, ema_of, fit, local_ema_numel, weights_of
 
 
 def _worker(info: DistInfo, root: str) -> dict[str, Any]:
@@ -38,6 +41,9 @@ def _worker(info: DistInfo, root: str) -> dict[str, Any]:
         out[f"{strategy}_crashed"] = sorted(p.name for p in (base / f"{strategy}_resumed/checkpoints").glob("*.pt"))
         resumed = fit(base / f"{strategy}_resumed", strategy=strategy, devices=2, resume="auto", sharded=sharded)
         out[f"{strategy}_resumed"] = ema_of(resumed)
+    out["mix"] = weights_of(fit(base / "mix", strategy="ddp", devices=2, mix=True))
+    fit(base / "mix_resumed", strategy="ddp", devices=2, mix=True, crash=True)
+    out["mix_resumed"] = weights_of(fit(base / "mix_resumed", strategy="ddp", devices=2, mix=True, resume="auto"))
     model = ema_model()
     model.load_state_dict(load_checkpoint(base / "ddp" / "checkpoints" / "last.pt", weights="ema")["model"])
     out["eval_2_ranks"] = Trainer(strategy="ddp", devices=2, accelerator="cpu", eval_batch_size=4,
@@ -48,7 +54,7 @@ def _worker(info: DistInfo, root: str) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
-    root = tmp_path_factory.mktemp("ema")
+    root = tmp_path_factory.mktemp("recipe")
     return root, run_ranks(_worker, str(root))
 
 
@@ -105,3 +111,13 @@ def test_the_ema_evaluates_to_the_logged_val_ema_on_one_and_two_ranks(ranks, tmp
     assert one["val/loss"] == pytest.approx(logged[-1], rel=1e-6, abs=1e-7)
     best = load_checkpoint(run / "checkpoints" / "best.pt")
     assert best["state"]["epoch"] in (1, 2)  # picked by trainer.monitor=val_ema/loss
+
+
+def test_mixup_cutmix_and_repeats_train_one_processs_weights_on_two_ranks_and_resume_exactly(ranks, tmp_path):
+    """Faults: pairs not dealt whole to one rank; the draw taken per rank, not per global step."""
+    root, (rank0, _) = ranks
+    single = weights_of(fit(tmp_path / "mix", strategy="single", devices=1, mix=True))
+    unmixed = weights_of(fit(tmp_path / "plain", strategy="single", devices=1, mix=True, alphas=(0.0, 0.0)))
+    assert _diff(single, unmixed) > 1e-3  # mixing changed what was trained
+    assert _diff(rank0["mix"], single) < 1e-5
+    assert _diff(rank0["mix_resumed"], rank0["mix"]) == 0.0
