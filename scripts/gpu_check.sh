@@ -46,7 +46,7 @@ OUT=${OUT:-runs/gpu}
 PY=${PYTHON:-python3}
 # The cheapest recipes first, so that a lease cut short still has most of the rows; then any recipe added since,
 # which gets a failed row until run_recipe knows its data.
-RECIPES="autoencoder cifar10-resnet18 imagefolder-resnet50 resnet50-model-parallel ade20k-deeplabv3plus coco-maskrcnn"
+RECIPES="autoencoder cifar10-resnet18 cifar10-resnet18-recipe imagefolder-resnet50 imagenet-resnet50-v2 resnet50-model-parallel ade20k-deeplabv3plus coco-maskrcnn"
 for f in src/gputrain/recipes/*.yaml; do
   [[ " $RECIPES " == *" $(basename "$f" .yaml) "* ]] || RECIPES="$RECIPES $(basename "$f" .yaml)"
 done
@@ -118,6 +118,16 @@ run_recipe() {  # the data and settings of each built-in recipe
     cifar10-resnet18)
       make_data cifar10 "cifar10-${CIFAR_COUNT:=12000}" "$CIFAR_COUNT" 32
       recipe cifar10-resnet18 "$CIFAR_COUNT CIFAR-10-format images of 32x32" --data-root "$D/cifar10-$CIFAR_COUNT" ;;
+    cifar10-resnet18-recipe)  # the same data: TrivialAugmentWide, CutMix, label smoothing, EMA
+      make_data cifar10 "cifar10-${CIFAR_COUNT:=12000}" "$CIFAR_COUNT" 32
+      recipe cifar10-resnet18-recipe "$CIFAR_COUNT CIFAR-10-format images of 32x32" --data-root "$D/cifar10-$CIFAR_COUNT" ;;
+    imagenet-resnet50-v2)  # torchvision's v2 recipe on the JPEGs, split 8:2; its crops (176, 232 -> 224) at 224
+      make_jpegs
+      local crops=""
+      [ "$RESNET_SIZE" = 224 ] || crops="data.train_crop_size=$RESNET_SIZE data.val_resize_size=$RESNET_SIZE data.val_crop_size=$RESNET_SIZE"
+      # shellcheck disable=SC2086
+      recipe imagenet-resnet50-v2 "$((PER_CLASS * 10)) JPEGs of 500x375, the recipe's crops" --data-root "$JPEGS" \
+        "data.val_root=''" data.val_fraction=0.2 scheduler.warmup_steps=10 $crops ;;
     imagefolder-resnet50)
       make_jpegs
       recipe imagefolder-resnet50 "$((PER_CLASS * 10)) JPEGs of 500x375, crops of $RESNET_SIZE" --data-root "$JPEGS" \

@@ -1347,4 +1347,10 @@ FAULTS: tuple[Fault, ...] = (
           (('                       ("data.mixup_alpha", 0.0), ("data.cutmix_alpha", 0.0), ("data.repeated_augment", 1))',
             '                       ("data.cutmix_alpha", 0.0), ("data.repeated_augment", 1))'),),
           ("tests/unit/test_mix.py::test_mixing_on_another_task_is_refused",)),
+    Fault("[44] the plan leaves the EMA out of each device's memory", "src/gputrain/tools/plan/plans.py",
+          (("        if self.ema:\n", "        if False:\n"),),
+          ("tests/e2e/test_plan.py::test_the_plan_counts_an_ema_of_each_devices_share_of_the_weights",)),
+    Fault("[44] trainer.measure_memory leaves the EMA uncounted", "src/gputrain/engine/callbacks/memory.py",
+          (("                                   extra=ctx.averaged_weights)", "                                   )"),),
+          (f"{EMA}::test_ddp_and_fsdp_emas_equal_one_process_and_fsdp_keeps_half_on_each_rank",)),
 )

@@ -34,13 +34,14 @@ def _worker(info: DistInfo, root: str) -> dict[str, Any]:
     base, out = Path(root), {}
     for strategy in ("ddp", "fsdp"):
         sharded = strategy == "fsdp"
-        full = fit(base / strategy, strategy=strategy, devices=2, sharded=sharded)
+        full = fit(base / strategy, strategy=strategy, devices=2, sharded=sharded, measure_memory=sharded)
         out[strategy] = ema_of(full)
         out[f"{strategy}_numel"] = local_ema_numel(full)
         fit(base / f"{strategy}_resumed", strategy=strategy, devices=2, crash=True, sharded=sharded)
         out[f"{strategy}_crashed"] = sorted(p.name for p in (base / f"{strategy}_resumed/checkpoints").glob("*.pt"))
         resumed = fit(base / f"{strategy}_resumed", strategy=strategy, devices=2, resume="auto", sharded=sharded)
         out[f"{strategy}_resumed"] = ema_of(resumed)
+    fit(base / "fsdp_plain", strategy="fsdp", devices=2, ema_decay=0.0, measure_memory=True)
     out["mix"] = weights_of(fit(base / "mix", strategy="ddp", devices=2, mix=True))
     fit(base / "mix_resumed", strategy="ddp", devices=2, mix=True, crash=True)
     out["mix_resumed"] = weights_of(fit(base / "mix_resumed", strategy="ddp", devices=2, mix=True, resume="auto"))
@@ -79,6 +80,15 @@ def test_ddp_and_fsdp_emas_equal_one_process_and_fsdp_keeps_half_on_each_rank(ra
         held, whole = rank["fsdp_numel"]
         assert held < 0.6 * whole, f"a rank holds {held} of the EMA's {whole} elements under fsdp"
         assert rank["ddp_numel"] == (whole, whole)
+    # Measured by MemTracker (FSDPMemTracker) over the first two steps, beside a run without the EMA: each rank's
+    # peak grows by its shard of the parameters and the buffers, never by the whole model.
+    model = ema_model()
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    with_ema, without = (json.loads((root / run / "memory.json").read_text())["ranks"] for run in ("fsdp", "fsdp_plain"))
+    for a, b in zip(with_ema, without, strict=True):
+        grown = a["peak_bytes"] - b["peak_bytes"]
+        assert 0.4 * params <= grown <= 0.6 * params + buffers, (grown, params, buffers)  # shards split unevenly
 
 
 def test_a_resume_mid_epoch_ends_with_the_uninterrupted_ema(ranks, tmp_path):
@@ -121,3 +131,8 @@ def test_mixup_cutmix_and_repeats_train_one_processs_weights_on_two_ranks_and_re
     assert _diff(single, unmixed) > 1e-3  # mixing changed what was trained
     assert _diff(rank0["mix"], single) < 1e-5
     assert _diff(rank0["mix_resumed"], rank0["mix"]) == 0.0
+    # The 2-rank checkpoint from the middle of epoch 2, resumed on 1 process: the same pairs and draws follow.
+    step = root / "mix_resumed" / "checkpoints" / f"step_{CRASH_AFTER - 1:06d}.pt"
+    (tmp_path / "one").mkdir()
+    one = weights_of(fit(tmp_path / "one", strategy="single", devices=1, mix=True, resume=str(step)))
+    assert _diff(one, rank0["mix"]) < 1e-5

@@ -55,6 +55,7 @@ SKIPPED = {
     "tiny-ae.yaml": "a recipe of the reader's (with their own model code)",
     "toy-classifier.yaml": "a recipe of the reader's (with their own model code)",
     "--accelerator cuda": "needs a GPU",
+    "/data/imagenet": "ImageNet on the reader's machine",
 }
 """Commands containing these words are not run, for the reason given."""
 

@@ -27,6 +27,7 @@ def build_context(loop: Loop, *, config_dict: dict[str, Any], out: Path, resumed
         steps_per_epoch=loop.steps_per_epoch, global_batch=loop.global_batch, strategy=loop.strategy.name,
         model=loop.strategy.unwrap(loop.module), optimizer=loop.optimizer,
         initial_lr=float(group.get("initial_lr", group["lr"])),
+        averaged_weights=loop.ema.local_tensors() if loop.ema is not None else (),
         _progress=progress, _save=save,
         _wait=checkpointer.wait if checkpointer is not None else lambda: None,
         _pictures=lambda count: sample_pictures(loop, count),

@@ -123,6 +123,10 @@ class WeightAverage:
                 _local(ema).copy_(_local(live[name]))
         self.updates = 0
 
+    def local_tensors(self) -> tuple[torch.Tensor, ...]:
+        """The tensors this rank holds of the EMA (an FSDP shard's local part), as memory counts them."""
+        return tuple(_local(t) for t in self.tensors.values())
+
     def checkpoint_entry(self, *, sharded: bool) -> dict[str, Any]:
         """What a checkpoint file holds of the EMA: the count, and the full weights unless a sharded folder does."""
         entry: dict[str, Any] = {"updates": self.updates, "decay": self.decay}

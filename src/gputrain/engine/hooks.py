@@ -45,6 +45,8 @@ class RunContext:
     """The run's optimizer (None in evaluation alone): to read, not to step or replace."""
     initial_lr: float
     """The first parameter group's learning rate before any schedule (after ``optim.scale_lr``)."""
+    averaged_weights: tuple[torch.Tensor, ...]
+    """This rank's tensors of the EMA of the weights (``trainer.ema_decay``; empty without): to read, not to change."""
     _progress: Callable[[], TrainState]
     _save: Callable[[str, dict[str, float] | None], Path | None]
     _wait: Callable[[], None]

@@ -92,11 +92,13 @@ class LiveBytes(TorchDispatchMode):
     ``torch.distributed.pipelining``, whose stage backward (``autograd.grad`` on received leaves) MemTracker's
     module hooks cannot follow."""
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+                 extra: tuple[torch.Tensor, ...] = ()) -> None:
         super().__init__()
         self.live: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self.now = self.peak = 0
-        held = [*model.parameters(), *model.buffers(), *(p.grad for p in model.parameters() if p.grad is not None)]
+        held = [*model.parameters(), *model.buffers(), *(p.grad for p in model.parameters() if p.grad is not None),
+                *extra]
         if optimizer is not None:
             held += [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
         for t in held:
@@ -131,21 +133,25 @@ class StepCounter:
     here, so a top-level module's are forgotten before it is called again, which leaves its peak untouched.
     """
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, *, pipeline: bool) -> None:
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, *, pipeline: bool,
+                 extra: tuple[torch.Tensor, ...] = ()) -> None:
         from torch.distributed.fsdp import FSDPModule
 
         self._handle: Any = None
         if pipeline:
-            self.tracker: Any = LiveBytes(model, optimizer)
+            self.tracker: Any = LiveBytes(model, optimizer, extra)
         elif isinstance(model, FSDPModule) and optimizer is not None:
             from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
-            self.tracker = peak_only(FSDPMemTracker(model, optimizer))
+            tracker = FSDPMemTracker(model, optimizer)
+            if extra:  # the EMA's shards: counted as "other"
+                tracker.track_external(*extra)
+            self.tracker = peak_only(tracker)
         else:
             from torch.distributed._tools.mem_tracker import MemTracker
 
             self.tracker = peak_only(MemTracker())
-            self.tracker.track_external(model, *([optimizer] if optimizer is not None else []))
+            self.tracker.track_external(model, *([optimizer] if optimizer is not None else []), *extra)
 
     def _forget_top_level_call(self, module: torch.nn.Module, args: Any) -> None:
         # Registered before the tracker's own global hook, so it runs first, before the module is entered.
@@ -188,7 +194,8 @@ class MemoryHook(Hook):
             torch.cuda.synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
             return
-        self.counter = StepCounter(ctx.model, ctx.optimizer, pipeline=ctx.strategy == "pipeline")
+        self.counter = StepCounter(ctx.model, ctx.optimizer, pipeline=ctx.strategy == "pipeline",
+                                   extra=ctx.averaged_weights)
         self.counter.start()
 
     def after_step(self, ctx: RunContext, logs: dict[str, float] | None) -> None:

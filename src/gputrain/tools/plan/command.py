@@ -132,7 +132,7 @@ def make_report(cfg: RunConfig, *, devices: int, nnodes: int = 1, budget_text: s
     elif nnodes > 1:
         notes.append("pipeline and model_parallel plans are for one node; --nnodes > 1 plans ddp and fsdp")
     planner = Planner(work, world, g, budget, probe, shares, m, fsdp_units=shard_units(work.model),
-                      cuda_overhead=overhead, largest=not choice_only, nodes=nnodes)
+                      cuda_overhead=overhead, largest=not choice_only, nodes=nnodes, ema=cfg.trainer.ema_decay > 0)
     labels = ["single"] if nnodes == 1 else []  # one device is one node's job: on K nodes, every node starts ranks
     if world > 1:
         if g % world:

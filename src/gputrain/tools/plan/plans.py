@@ -115,22 +115,33 @@ class Planner:
     """Whether to find each plan's largest batch (a second count at twice the batch); else it is -1."""
     nodes: int = 1
     """The nodes ``devices`` are spread over."""
+    ema: bool = False
+    """Whether the run keeps an EMA of the weights (``trainer.ema_decay``): a copy of each device's share of them."""
 
-    def _largest(self, at: int, low: Sequence[StepMemory], high: Callable[[], Sequence[StepMemory]]) -> int:
+    def _largest(self, at: int, low: Sequence[StepMemory], high: Callable[[], Sequence[StepMemory]],
+                 ema_share: float = 1.0) -> int:
         """The largest batch (per process, as ``at``) whose every device fits the budget with the margin, from each
         device's counts at ``at`` (``low``) and ``2 at`` (``high()``, counted only here):
         :func:`~gputrain.tools.plan.memory.largest_batch`. -1 when not asked for (:attr:`largest`)."""
         if not self.largest:
             return -1
         room = self.budget * (1 - MARGIN)
-        return min(memory.largest_batch(a, self._with_overhead(b), at, room) for a, b in zip(low, high(), strict=True))
+        return min(memory.largest_batch(a, self._with_overhead(b, ema_share), at, room)
+                   for a, b in zip(low, high(), strict=True))
 
     @property
     def device_type(self) -> str:
         return self.work.device.type
 
-    def _with_overhead(self, parts: StepMemory) -> StepMemory:
-        return parts.plus(other=self.cuda_overhead) if self.cuda_overhead else parts
+    def _with_overhead(self, parts: StepMemory, ema_share: float = 1.0) -> StepMemory:
+        """``parts`` with what the count of a step leaves out: the CUDA allocator's own bytes, and with an EMA its
+        copy of ``ema_share`` of the parameters and of every buffer (as ``other``, where MemTracker counts it)."""
+        extra = self.cuda_overhead
+        if self.ema:
+            model = self.work.model
+            extra += int(ema_share * sum(p.numel() * p.element_size() for p in model.parameters()))
+            extra += sum(b.numel() * b.element_size() for b in model.buffers())
+        return parts.plus(other=extra) if extra else parts
 
     def _compute_s(self, samples_per_device: float) -> float:
         # CPU "devices" are processes sharing one set of cores: the machine does all G samples' work either way.
@@ -165,13 +176,13 @@ class Planner:
         def at(k: int) -> StepMemory:
             return split_memory.fsdp_memory(self.work, k, n, self.fsdp_units)
 
-        mem = self._with_overhead(at(b))
+        mem = self._with_overhead(at(b), 1 / n)  # the EMA of this rank's shards only
         compute = self._compute_s(b)
         # Parameters all-gathered for the forward and again for the backward, gradients reduce-scattered: each
         # moves (N - 1) / N of the model, 1.5 all-reduces' worth; units overlap with compute except the first.
         comm = 1.5 * allreduce_s(self._grad_bytes(), n, self.device_type)
         exposed = max(comm / (len(self.fsdp_units) + 1), comm - compute)
-        largest = _per_process(n, self._largest(b, [mem], lambda: [at(2 * b)]))
+        largest = _per_process(n, self._largest(b, [mem], lambda: [at(2 * b)], 1 / n))
         return Plan("fsdp", n, self.global_batch, b, (mem,) * n, compute + exposed, self.budget,
                     max_global_batch=largest, nodes=self.nodes)
 
@@ -191,7 +202,9 @@ class Planner:
         """pipeline (``schedule`` gpipe or 1f1b) or model_parallel (``schedule`` empty)."""
         assert self.shares is not None
         k, m, g = self.devices, self.micro_batches, self.global_batch
-        per_stage = [self._with_overhead(s) for s in self._stage_memory(strategy, schedule, split, g)]
+        stages = self._stage_memory(strategy, schedule, split, g)
+        share = 1 / len(stages)  # an EMA per stage: about its share of the weights (one CPU process: all of them)
+        per_stage = [self._with_overhead(s, share) for s in stages]
         micro = g / m
         if self.device_type == "cpu":
             step = self._compute_s(g)
@@ -202,7 +215,7 @@ class Planner:
             step = sum(stage_s) + (m - 1) * max(stage_s)  # fill and drain, then the slowest stage's pace
             boundary = sum(self.shares.output_bytes_per_sample[i - 1] for i in split) * micro
             step += 2 * m * send_s(boundary, self.device_type)  # activations forward, their gradients back
-        largest = self._largest(g, per_stage, lambda: self._stage_memory(strategy, schedule, split, 2 * g))
+        largest = self._largest(g, per_stage, lambda: self._stage_memory(strategy, schedule, split, 2 * g), share)
         return Plan(strategy, k, g, g, tuple(per_stage), step, self.budget, micro_batches=m, schedule=schedule,
                     split_points=tuple(self.shares.names[i] for i in split), max_global_batch=largest)
 
