@@ -301,7 +301,7 @@ def test_the_overrides_a_plan_applies_describe_the_job_it_planned_on_two_nodes(f
 
 def test_the_plan_counts_an_ema_of_each_devices_share_of_the_weights(planned, frames, tmp_path):
     """With trainer.ema_decay each device holds a copy of its weights: the whole model under single and ddp, a
-    shard under fsdp (half here), each plus the buffers; counted as "other", where MemTracker counts it."""
+    shard under fsdp (half here), each plus the buffers; counted with the parameters, as a run counts it."""
     out = tmp_path / "plan.json"
     done = gputrain_here("plan", "autoencoder", "--data-root", str(frames), "--devices", "2", "--accelerator", "cpu",
                          "--batch-size", "8", "--seed", "0", "--json", str(out), "trainer.ema_decay=0.999")
@@ -314,5 +314,5 @@ def test_the_plan_counts_an_ema_of_each_devices_share_of_the_weights(planned, fr
     before = {p["strategy"]: p for p in planned["json"]["plans"] if not p["activation_checkpointing"]}
     after = {p["strategy"]: p for p in json.loads(out.read_text())["plans"] if not p["activation_checkpointing"]}
     for name, share in (("single", 1.0), ("ddp", 1.0), ("fsdp", 0.5)):
-        grown = after[name]["memory_parts"]["other"] - before[name]["memory_parts"]["other"]
+        grown = after[name]["memory_parts"]["parameters"] - before[name]["memory_parts"]["parameters"]
         assert grown == int(share * params) + buffers, name

@@ -141,17 +141,19 @@ class StepCounter:
         if pipeline:
             self.tracker: Any = LiveBytes(model, optimizer, extra)
         elif isinstance(model, FSDPModule) and optimizer is not None:
-            from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+            from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
 
-            tracker = FSDPMemTracker(model, optimizer)
-            if extra:  # the EMA's shards: counted as "other"
-                tracker.track_external(*extra)
-            self.tracker = peak_only(tracker)
+            self.tracker = peak_only(FSDPMemTracker(model, optimizer))
+            kind: Any = _FSDPRefType.SHARDED_PARAM
         else:
-            from torch.distributed._tools.mem_tracker import MemTracker
+            from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 
             self.tracker = peak_only(MemTracker())
-            self.tracker.track_external(model, *([optimizer] if optimizer is not None else []), *extra)
+            self.tracker.track_external(model, *([optimizer] if optimizer is not None else []))
+            kind = _MemRefType.PARAM
+        for t in extra:  # the EMA's copy of the weights (its shards under fsdp), counted with the parameters; what
+            # track_external does for a tensor, under the parameters' kind (FSDPMemTracker's track_external is a no-op)
+            self.tracker._update_and_maybe_create_winfos(t, kind)
 
     def _forget_top_level_call(self, module: torch.nn.Module, args: Any) -> None:
         # Registered before the tracker's own global hook, so it runs first, before the module is entered.

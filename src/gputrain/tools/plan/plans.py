@@ -134,14 +134,15 @@ class Planner:
         return self.work.device.type
 
     def _with_overhead(self, parts: StepMemory, ema_share: float = 1.0) -> StepMemory:
-        """``parts`` with what the count of a step leaves out: the CUDA allocator's own bytes, and with an EMA its
-        copy of ``ema_share`` of the parameters and of every buffer (as ``other``, where MemTracker counts it)."""
-        extra = self.cuda_overhead
+        """``parts`` with what the count of a step leaves out: the CUDA allocator's own bytes (``other``), and with an
+        EMA its copy of ``ema_share`` of the parameters and of every buffer (``parameters``, as a run counts it)."""
+        if self.cuda_overhead:
+            parts = parts.plus(other=self.cuda_overhead)
         if self.ema:
             model = self.work.model
-            extra += int(ema_share * sum(p.numel() * p.element_size() for p in model.parameters()))
-            extra += sum(b.numel() * b.element_size() for b in model.buffers())
-        return parts.plus(other=extra) if extra else parts
+            parts = parts.plus(parameters=int(ema_share * sum(p.numel() * p.element_size() for p in model.parameters()))
+                               + sum(b.numel() * b.element_size() for b in model.buffers()))
+        return parts
 
     def _compute_s(self, samples_per_device: float) -> float:
         # CPU "devices" are processes sharing one set of cores: the machine does all G samples' work either way.
