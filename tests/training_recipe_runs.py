@@ -45,16 +45,17 @@ class CrashAfter(Hook):
 
 
 def fit(out: Path, *, strategy: str, devices: int, resume: str = "", crash: bool = False, sharded: bool = False,
-        mix: bool = False, alphas: tuple[float, float] = (0.4, 1.0), **trainer: Any) -> Trainer:
+        mix: bool = False, alphas: tuple[float, float] = (0.4, 1.0), stages: bool = False, **trainer: Any) -> Trainer:
     """2 epochs with an EMA updated every step, checkpoints every 2 steps (``sharded``: DCP folders); with
     ``crash``, stopped after step 9; with ``mix``, a global batch of 8 mixed by MixUp or CutMix, each sample
-    twice an epoch."""
+    twice an epoch; with ``stages``, 2 micro-batches and a split before the second block (pipeline's stages)."""
     options: dict[str, Any] = dict(
         accelerator="cpu", batch_size=(MIX_BATCH if mix else GLOBAL_BATCH) // devices, epochs=2, progress_bar=False, loggers=[],
         log_every_n_steps=1, sync_batchnorm=True, ema_decay=0.7, ema_every_n_steps=1, ema_adjust=False,
         checkpoint_every_n_steps=2, keep_last=20, monitor="val_ema/loss", eval_batch_size=4)
     cfg = RunConfig(task="classification" if mix else "autoencoder", optim=OptimConfig(name="sgd", lr=0.2, momentum=0.9),
-                    parallel=ParallelConfig(sharded_checkpoint=sharded),
+                    parallel=ParallelConfig(sharded_checkpoint=sharded, micro_batches=2 if stages else 1,
+                                            split_points=["3"] if stages else []),
                     data=DataConfig(mixup_alpha=alphas[0], cutmix_alpha=alphas[1], repeated_augment=2) if mix
                     else DataConfig())
     t = Trainer(cfg, strategy=strategy, devices=devices,

@@ -41,6 +41,11 @@ def _worker(info: DistInfo, root: str) -> dict[str, Any]:
         out[f"{strategy}_crashed"] = sorted(p.name for p in (base / f"{strategy}_resumed/checkpoints").glob("*.pt"))
         resumed = fit(base / f"{strategy}_resumed", strategy=strategy, devices=2, resume="auto", sharded=sharded)
         out[f"{strategy}_resumed"] = ema_of(resumed)
+    # pipeline: the batch of 6 in 2 micro-batches over 2 stages, each averaging its own layers.
+    out["pipeline"] = ema_of(fit(base / "pipeline", strategy="pipeline", devices=2, stages=True, batch_size=6))
+    fit(base / "pipeline_resumed", strategy="pipeline", devices=2, stages=True, batch_size=6, crash=True)
+    out["pipeline_resumed"] = ema_of(fit(base / "pipeline_resumed", strategy="pipeline", devices=2, stages=True,
+                                         batch_size=6, resume="auto"))
     # Memory over the first two steps, with an EMA first updated at step 32 (counted from the start all the same),
     # and without one.
     fit(base / "fsdp_memory", strategy="fsdp", devices=2, ema_every_n_steps=32, measure_memory=True)
@@ -139,3 +144,12 @@ def test_mixup_cutmix_and_repeats_train_one_processs_weights_on_two_ranks_and_re
     (tmp_path / "one").mkdir()
     one = weights_of(fit(tmp_path / "one", strategy="single", devices=1, mix=True, resume=str(step)))
     assert _diff(one, rank0["mix"]) < 1e-5
+
+
+def test_pipeline_stages_each_average_their_layers_and_resume_exactly(ranks, tmp_path):
+    """The EMA under pipeline equals one process accumulating the same 2 micro-batches, gathered from both stages."""
+    _, (rank0, _) = ranks
+    single = ema_of(fit(tmp_path / "single", strategy="single", devices=1, stages=True, batch_size=3,
+                        accumulate_grad_batches=2))
+    assert _diff(rank0["pipeline"], single) < 1e-5
+    assert _diff(rank0["pipeline_resumed"], rank0["pipeline"]) == 0.0

@@ -69,7 +69,7 @@ class WeightAverage:
         its average in the warm-up epochs)."""
         if global_step % self.every:
             return
-        live = self.strategy.named_weights(self.module)
+        live = self._live()
         averaged, current = [], []
         for name, ema in self.tensors.items():
             mine, theirs = _local(ema), _local(live[name])
@@ -89,13 +89,26 @@ class WeightAverage:
         One tensor's copy at a time is the only extra memory. What the block writes into the live weights (a
         strategy adopting rank 0's buffers, a checkpoint loaded) stays in the EMA.
         """
-        live = self.strategy.named_weights(self.module)
+        live = self._live()
         pairs = [(_local(live[name]), _local(ema)) for name, ema in self.tensors.items()]
         _swap(pairs)
         try:
             yield
         finally:
             _swap(pairs)
+
+    def _live(self) -> dict[str, torch.Tensor]:
+        """The live weights the EMA follows, its tensors narrowed to them where they became fewer: a pipeline rank
+        holds the whole model until its first batch places its stage, then that stage's layers alone (what the EMA
+        held of them, the initial weights or a checkpoint's average, is kept, moved to the stage's device)."""
+        live = self.strategy.named_weights(self.module)
+        if live.keys() != self.tensors.keys() or any(t.device != live[k].device for k, t in self.tensors.items()):
+            missing = sorted(live.keys() - self.tensors.keys())
+            if missing:
+                raise RuntimeError(f"the EMA of the weights holds no {missing[:3]}: the model changed after it began")
+            # model_parallel places its stages on their devices at the first batch too
+            self.tensors = {k: self.tensors[k].to(live[k].device) for k in live}
+        return live
 
     def full_state(self) -> dict[str, torch.Tensor]:
         """The EMA as the model's full state dict, copied to the CPU (rank 0; ``{}`` elsewhere when gathered). A
@@ -118,7 +131,7 @@ class WeightAverage:
     def restart_from_weights(self) -> None:
         """Start again from the live weights (a checkpoint without an EMA: the next update copies them)."""
         with torch.no_grad():
-            live = self.strategy.named_weights(self.module)
+            live = self._live()
             for name, ema in self.tensors.items():
                 _local(ema).copy_(_local(live[name]))
         self.updates = 0
