@@ -1358,4 +1358,7 @@ FAULTS: tuple[Fault, ...] = (
           (("        if live.keys() != self.tensors.keys() or any(t.device != live[k].device for k, t in "
             "self.tensors.items()):", "        if False:"),),
           (f"{EMA}::test_pipeline_stages_each_average_their_layers_and_resume_exactly",)),
+    Fault("[41] trainer.fp32_modules is ignored by the run", "src/gputrain/engine/setup.py",
+          (("    _in_float32(model, cfg, dist)\n", "    pass\n"),),
+          (f"{EMA}::test_ddp_with_modules_kept_in_float32_under_bf16_autocast_equals_one_process",)),
 )
