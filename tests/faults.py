@@ -1361,4 +1361,10 @@ FAULTS: tuple[Fault, ...] = (
     Fault("[41] trainer.fp32_modules is ignored by the run", "src/gputrain/engine/setup.py",
           (("    _in_float32(model, cfg, dist)\n", "    pass\n"),),
           (f"{EMA}::test_ddp_with_modules_kept_in_float32_under_bf16_autocast_equals_one_process",)),
+    Fault("[44] the samples a tool reads back are the repetition numbers", "src/gputrain/engine/context.py",
+          (("int(key[1]) if isinstance(key, tuple)", "int(key[-1]) if isinstance(key, tuple)"),),
+          ("tests/unit/test_mix.py::test_the_samples_a_tool_reads_back_are_indices_not_repetitions",)),
+    Fault("[44] parity drops one process's repeated samples", "src/gputrain/tools/diagnose/parity_compare.py",
+          (("        samples = [sorted(s) for s in per_step]", "        samples = [sorted(set(s)) for s in per_step]"),),
+          ("tests/unit/test_mix.py::test_parity_compares_a_steps_repeated_samples_as_one_process_read_them",)),
 )

@@ -59,7 +59,7 @@ def fit(out: Path, *, strategy: str, devices: int, resume: str = "", crash: bool
                     data=DataConfig(mixup_alpha=alphas[0], cutmix_alpha=alphas[1], repeated_augment=2) if mix
                     else DataConfig())
     t = Trainer(cfg, strategy=strategy, devices=devices,
-                out=str(out), resume=resume, hooks=[CrashAfter(CRASH_AFTER)] if crash else [], **(options | trainer))
+                out=str(out), resume=resume, hooks=[CrashAfter(CRASH_AFTER)] if crash else [], **_without_monitor_of_no_ema(options | trainer))
     try:
         t.fit(ema_model(), data(N_TRAIN, 1), data(N_VAL, 2),
               task=ClassificationTask(5) if mix else Task(nn.functional.cross_entropy))
@@ -86,3 +86,8 @@ def local_ema_numel(trainer: Trainer) -> tuple[int, int]:
 
     held = sum((t.to_local() if isinstance(t, DTensor) else t).numel() for t in trainer.loop.ema.tensors.values())
     return held, sum(t.numel() for t in ema_model().state_dict().values())
+
+
+def _without_monitor_of_no_ema(options: dict[str, Any]) -> dict[str, Any]:
+    """A run with trainer.ema_decay=0 monitors nothing (val_ema/loss would be refused)."""
+    return options | {"monitor": ""} if not options["ema_decay"] else options

@@ -51,12 +51,15 @@ def test_eval_predict_and_export_use_the_ema_with_weights_ema(tmp_path: Path, ca
     assert (tmp_path / "model.onnx").is_file()
 
 
-def test_a_checkpoint_without_an_ema_is_refused_in_one_line(tmp_path: Path, capsys) -> None:
+def test_a_checkpoint_without_an_ema_and_a_monitor_of_no_metric_are_one_line(tmp_path: Path, capsys) -> None:
     make_classfolder(tmp_path / "train", classes=2, per_class=4, size=16, seed=0)
     run = tmp_path / "run"
     _run(["train", "imagefolder-resnet50", "--epochs", "1", "--batch-size", "4", "--out", run, *QUIET,
-          f"data.root={tmp_path / 'train'}", "data.image_size=16", "model.name=resnet18", "data.val_fraction=0.25"])
-    capsys.readouterr()
+          f"data.root={tmp_path / 'train'}", "data.image_size=16", "model.name=resnet18", "data.val_fraction=0.25",
+          "trainer.monitor=val/acc"])
+    warned = [line for line in capsys.readouterr().err.splitlines() if "trainer.monitor" in line]
+    assert warned == ["gputrain: warning: trainer.monitor=val/acc is not a metric of this run (val/accuracy, "
+                      "val/loss, val/samples); no best.pt is written: set trainer.monitor to one of these"]
     assert main(["eval", "--checkpoint", str(run / "checkpoints/last.pt"), "--weights", "ema", "--accelerator",
                  "cpu"]) == 2
     err = capsys.readouterr().err.strip().splitlines()

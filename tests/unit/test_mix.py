@@ -79,6 +79,30 @@ def test_every_pair_is_dealt_to_one_rank_so_mixing_is_the_same_on_any_number_of_
         assert all(torch.equal(many[i], one[i]) for i in one), dp
 
 
+def test_the_samples_a_tool_reads_back_are_indices_not_repetitions():
+    """``gputrain parity`` compares the samples each mode's first steps trained: with repeats too."""
+    from types import SimpleNamespace
+
+    from gputrain.data.samplers import StepBatchSampler
+    from gputrain.engine.context import _first_batches
+
+    sampler = StepBatchSampler(10, dp_rank=0, dp_size=1, batch_size=4, repeats=2)
+    order = sampler.plan.order
+    assert _first_batches(SimpleNamespace(batch_sampler=sampler), 2) == order[:8]  # type: ignore[arg-type]
+
+
+def test_parity_compares_a_steps_repeated_samples_as_one_process_read_them():
+    from gputrain.tools.diagnose.parity_compare import ModeResult
+
+    def rank(samples: list[list[int]]) -> dict:
+        return {"samples": samples, "losses": [0.0], "unused": [], "state": {}, "bn": {}}
+
+    single = ModeResult.from_ranks("single", [rank([[3, 5, 3, 5]])])
+    ddp = ModeResult.from_ranks("ddp", [rank([[3, 3]]), rank([[5, 5]])], dp=2)
+    pipeline = ModeResult.from_ranks("pipeline", [rank([[3, 5, 3, 5]]), rank([[3, 5, 3, 5]])])
+    assert single.samples == ddp.samples == pipeline.samples == [[3, 3, 5, 5]]
+
+
 def test_repeats_train_each_pair_in_a_row_each_augmented_anew():
     plan = EpochPlan(10, seed=0, epoch=0, dp_size=2, batch_size=2, repeats=3)
     order = plan.order  # each pair three times in a row: a b a b a b
@@ -104,6 +128,8 @@ def test_repeats_train_each_pair_in_a_row_each_augmented_anew():
     (["data.cutmix_alpha=0.5", "trainer.batch_size=7"], "mix the samples of each device's batch two by two, and "
                                                          "trainer.batch_size=7 is odd; use an even batch size, e.g. 8"),
     (["data.repeated_augment=0"], "data.repeated_augment=0 must be in [1, 64]"),
+    (["trainer.monitor=val_ema/accuracy"], "trainer.monitor=val_ema/accuracy reads the EMA's validation, and "
+                                           "trainer.ema_decay=0 keeps no EMA; set trainer.ema_decay"),
 ])
 def test_bad_values_are_one_line(overrides, message):
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):

@@ -167,7 +167,7 @@ def test_label_smoothing_norm_and_bias_decay_and_ema_train_what_the_references_f
         criterion(model(data.tensors[0]), data.tensors[1]).backward()
         sgd.step()
         warmup.step()
-        if step % 2 == 0:
+        if (step - 1) % 2 == 0:  # after steps 1, 3, 5, ...: the reference's iterations 0, 2, 4, ...
             ema.update_parameters(model)
             if step <= 4:  # in the warm-up the reference restarts its average at every update
                 ema.n_averaged.fill_(0)

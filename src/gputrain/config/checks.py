@@ -194,6 +194,9 @@ def check_combinations(cfg: RunConfig) -> None:
         raise ValueError(f"trainer.compile_mode={t.compile_mode!r} is unknown; choose {', '.join(COMPILE_MODES)}")
     if t.monitor_mode not in ("min", "max"):
         raise ValueError(f"trainer.monitor_mode={t.monitor_mode!r} is not min or max")
+    if t.monitor.startswith("val_ema/") and not t.ema_decay:
+        raise ValueError(f"trainer.monitor={t.monitor} reads the EMA's validation, and trainer.ema_decay=0 keeps no "
+                         "EMA; set trainer.ema_decay (e.g. 0.9999) or monitor val/...")
     if not launch.node_rank < launch.nnodes:
         raise ValueError(f"launch.node_rank={launch.node_rank} must be in [0, launch.nnodes={launch.nnodes})")
     if t.overwrite and t.resume == "auto":

@@ -56,7 +56,7 @@ def _first_batches(loop: Loop, limit: int) -> list[int]:
     """This rank's sample indices of the first ``limit`` batches its sampler gives now (the current epoch's)."""
     indices: list[int] = []
     for batch in itertools.islice(iter(loop.batch_sampler or ()), limit):
-        indices += [int(key[-1]) if isinstance(key, tuple) else int(key) for key in batch]
+        indices += [int(key[1]) if isinstance(key, tuple) else int(key) for key in batch]  # (epoch, index[, repeat])
     return indices
 
 

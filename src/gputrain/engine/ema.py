@@ -64,10 +64,10 @@ class WeightAverage:
 
     @torch.no_grad()
     def update(self, global_step: int) -> None:
-        """After optimizer step ``global_step`` (1-based): average every ``every`` steps. The first update after a
-        start copies the weights, and during the learning rate's warm-up every update does (as the reference resets
-        its average in the warm-up epochs)."""
-        if global_step % self.every:
+        """After optimizer step ``global_step`` (1-based): average after steps 1, 1 + every, 1 + 2 every, ... (the
+        reference's iterations 0, every, ...). The first update after a start copies the weights, and during the
+        learning rate's warm-up every update does (as the reference resets its average in the warm-up epochs)."""
+        if (global_step - 1) % self.every:
             return
         live = self._live()
         averaged, current = [], []

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -165,3 +166,12 @@ def peak_memory_bytes(device: torch.device) -> int:
     import resource
 
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
+
+
+def check_monitor(monitor: str, metrics: dict[str, float], *, is_main: bool) -> None:
+    """A ``trainer.monitor`` that names no metric of the run (``val/acc`` for ``val/accuracy``) picks no best.pt:
+    said at the run's first evaluation, with the names it could be."""
+    if monitor and monitor not in metrics and is_main:
+        names = ", ".join(sorted(k for k in metrics if k.startswith(("val/", "val_ema/"))))
+        print(f"gputrain: warning: trainer.monitor={monitor} is not a metric of this run ({names}); no best.pt is "
+              "written: set trainer.monitor to one of these", file=sys.stderr, flush=True)

@@ -72,6 +72,7 @@ class Trainer(BuiltRun):
         self.carried_loss: dict[str, float] | None = None
         """The loss sums of a partly trained epoch, from the checkpoint this run resumed from."""
         self._fresh_out: tuple[Path, bool] | None = None
+        self._monitor_checked = False
 
     # -- the job and the run folder --------------------------------------------------------------
     def prepare(self, *, for_training: bool = True) -> Path:
@@ -172,6 +173,9 @@ class Trainer(BuiltRun):
                 metrics["time/val_s"] = time.perf_counter() - eval_start
                 val_count = len(loop.val_loader.dataset)  # type: ignore[arg-type]  # every sample once (exact eval)
                 metrics["time/val_images_per_s"] = val_count / max(metrics["time/val_s"], 1e-9)
+                if not self._monitor_checked:  # at the run's first evaluation
+                    record.check_monitor(t.monitor, metrics, is_main=self.dist.is_main)
+                    self._monitor_checked = True
             metrics["time/epoch_s"] = metrics["time/train_s"] + metrics.get("time/val_s", 0.0)
             self._call("after_epoch", metrics)
         summary = record.write_summary(loop, self.out, self.state, metrics, wall_s=time.perf_counter() - start,

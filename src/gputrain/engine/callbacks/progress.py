@@ -47,7 +47,7 @@ class ProgressHook(Hook):
             self.bar.close()
             self.bar = None
         if ctx.dist.is_main:
-            shown = {k: v for k, v in metrics.items() if k.startswith(("train/loss", "val/"))}
+            shown = {k: v for k, v in metrics.items() if k.startswith(("train/loss", "val/", "val_ema/"))}
             text = "  ".join(f"{k}={v:.4g}" for k, v in shown.items())
             tqdm.write(f"epoch {ctx.state.epoch}: {text}  ({metrics.get('time/epoch_s', 0):.1f} s)")
 

@@ -32,11 +32,13 @@ class ModeResult:
     @classmethod
     def from_ranks(cls, name: str, values: list[dict[str, Any]], dp: int = 1) -> ModeResult:
         """Merge ranks. With data parallelism each sample belongs to one rank (a repeat is kept, to be seen);
-        without it (pipeline stages) every rank may read the same batch, e.g. the first for inputs, the last
-        for targets."""
+        without it (one process, or pipeline stages) rank 0 reads every sample of the batch (a pipeline's other
+        stages read it again, the last for targets), and its reads are the step's, repeats included
+        (``data.repeated_augment``)."""
         steps = max(len(v["samples"]) for v in values)
-        per_step = [[i for v in values if k < len(v["samples"]) for i in v["samples"][k]] for k in range(steps)]
-        samples = [sorted(s) if dp > 1 else sorted(set(s)) for s in per_step]
+        readers = values if dp > 1 else values[:1]
+        per_step = [[i for v in readers if k < len(v["samples"]) for i in v["samples"][k]] for k in range(steps)]
+        samples = [sorted(s) for s in per_step]
         return cls(name, ok=True, losses=list(values[0]["losses"]), samples=samples,
                    unused={r: v["unused"] for r, v in enumerate(values)}, state=values[0]["state"],
                    bn=[v["bn"] for v in values])
