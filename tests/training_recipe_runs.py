@@ -11,9 +11,9 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
+from ddp_promise_runs import Crash, CrashAfterStep
 from gputrain import Trainer
 from gputrain.config import DataConfig, OptimConfig, ParallelConfig, RunConfig
-from gputrain.engine.hooks import Hook, RunContext
 from gputrain.tasks.base import Task
 from gputrain.tasks.classification import ClassificationTask
 
@@ -35,15 +35,6 @@ def data(n: int, seed: int) -> TensorDataset:
     return TensorDataset(torch.rand(n, 3, 8, 8, generator=g) * 2, torch.randint(0, 5, (n,), generator=g))
 
 
-class CrashAfter(Hook):
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def after_step(self, ctx: RunContext, logs: dict[str, float] | None) -> None:
-        if ctx.state.global_step == self.step:
-            raise RuntimeError(f"planned crash after step {self.step}")
-
-
 def fit(out: Path, *, strategy: str, devices: int, resume: str = "", crash: bool = False, sharded: bool = False,
         mix: bool = False, alphas: tuple[float, float] = (0.4, 1.0), stages: bool = False, **trainer: Any) -> Trainer:
     """2 epochs with an EMA updated every step, checkpoints every 2 steps (``sharded``: DCP folders); with
@@ -59,12 +50,12 @@ def fit(out: Path, *, strategy: str, devices: int, resume: str = "", crash: bool
                     data=DataConfig(mixup_alpha=alphas[0], cutmix_alpha=alphas[1], repeated_augment=2) if mix
                     else DataConfig())
     t = Trainer(cfg, strategy=strategy, devices=devices,
-                out=str(out), resume=resume, hooks=[CrashAfter(CRASH_AFTER)] if crash else [], **_without_monitor_of_no_ema(options | trainer))
+                out=str(out), resume=resume, hooks=[CrashAfterStep(CRASH_AFTER)] if crash else [], **_without_monitor_of_no_ema(options | trainer))
     try:
         t.fit(ema_model(), data(N_TRAIN, 1), data(N_VAL, 2),
               task=ClassificationTask(5) if mix else Task(nn.functional.cross_entropy))
-    except RuntimeError as err:
-        if not crash or "planned crash" not in str(err):
+    except Crash:
+        if not crash:
             raise
     return t
 
