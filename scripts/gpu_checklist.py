@@ -89,6 +89,10 @@ def check_run(name: str, runs: list[Path], exit_code: int, log: Path | None, set
 
 def check_recipe(name: str, run: Path, exit_code: int, log: Path | None, setting: str) -> dict[str, Any]:
     result = check_run(name, [run], exit_code, log, setting)
+    replayed = run / "nonfinite" / "report.txt"
+    if exit_code == DIVERGED and replayed.is_file():  # the run replayed its failing step: its report is the why
+        result["why"] = (f"exit {exit_code} (diverged: NaN/inf); {replayed.read_text().strip()} "
+                         f"(gputrain replay {replayed.parent})")
     summary_path = run / "summary.json"
     if summary_path.is_file():
         summary = json.loads(summary_path.read_text())
@@ -174,7 +178,8 @@ def table(checks: list[dict[str, Any]]) -> str:
         peak = c.get("peak_memory_bytes")
         result = {"pass": "pass", "skipped": "skipped"}.get(c.get("verdict", ""), "**FAIL**")
         why = c.get("why", "")
-        result += f": {why[:160]}{'...' if len(why) > 160 else ''}" if why else ""  # the whole line is in the JSON
+        # 500: a replay's report (issue 41) whole, with its fix; the whole line is in the JSON anyway
+        result += f": {why[:500]}{'...' if len(why) > 500 else ''}" if why else ""
         cells = [c["name"], c.get("setting", ""), c.get("loss", ""), images,
                  number(peak and peak / 2**30, ".1f"), result]
         rows.append("| " + " | ".join(str(cell).replace("|", "/") for cell in cells) + " |")

@@ -26,6 +26,8 @@ CHECKLIST = "tests/unit/test_gpu_checklist.py"
 UINT8 = "tests/unit/test_device_normalize_tasks.py"
 F16 = "tests/unit/test_float16_skips.py"
 EMA = "tests/distributed/test_recipe_distributed.py"
+NONFINITE = "tests/unit/test_nonfinite.py"
+NONFINITE_RANKS = "tests/distributed/test_nonfinite_ranks.py"
 EMA_REFERENCE = "tests/unit/test_recipe_options.py::test_label_smoothing_norm_and_bias_decay_and_ema_train_what_the_references_formulas_train"
 
 
@@ -456,11 +458,11 @@ FAULTS: tuple[Fault, ...] = (
           (('if not math.isfinite(epoch_loss) and window.epoch_skipped < window.epoch_samples or not loop.all_finite():',
             'if not math.isfinite(epoch_loss) and window.epoch_skipped < window.epoch_samples:'), ),
           (f"{UNIT}::test_divergence_without_checkpointing_still_fails",)),
-    Fault("gradients summed over ranks (loss weight x dp)", "src/gputrain/engine/epoch.py",
+    Fault("gradients summed over ranks (loss weight x dp)", "src/gputrain/engine/step.py",
           (("weight=n * dp / n_step", "weight=n * dp * dp / n_step"),), (PARITY_TEST,)),
     Fault("[31] the buffers saved before each micro-batch, not before the step", "src/gputrain/engine/epoch.py",
-          (("        loop.precision.begin_step(module)\n        for m, shares in enumerate(micro_batches):\n",
-            "        for m, shares in enumerate(micro_batches):\n            loop.precision.begin_step(module)\n"),),
+          (("        loop.precision.begin_step(module)\n        for micro, _keys in reader.micro_batches(k):\n",
+            "        for micro, _keys in reader.micro_batches(k):\n            loop.precision.begin_step(module)\n"),),
           (f"{F16}::test_a_forward_that_overflows_float16_is_skipped_and_leaves_the_model_as_it_was",)),
     Fault("[31] a window with any skipped step logs no loss", "src/gputrain/engine/epoch.py",
           (("            if window.flushed_counted > 0:", "            if window.flushed_counted == window.flushed_samples:"),),
@@ -1112,7 +1114,7 @@ FAULTS: tuple[Fault, ...] = (
           (("abs(step_s - plan.step_s) > STEP_FLOOR_S and not busy))", "abs(step_s - plan.step_s) > STEP_FLOOR_S))"),),
           ("tests/e2e/test_plan_measured.py::test_a_prediction_more_than_15_percent_off_is_a_warning",)),
     # -- issue 43 item 8: planted-fault review ---
-    Fault("[43r] 16-mixed clips the gradients before the scaler unscales them", "src/gputrain/engine/epoch.py",
+    Fault("[43r] 16-mixed clips the gradients before the scaler unscales them", "src/gputrain/engine/step.py",
           (("        loop.precision.unscale(optimizer)\n        loop.strategy.clip_grad_norm(loop.module, clip)\n",
             "        loop.strategy.clip_grad_norm(loop.module, clip)\n        loop.precision.unscale(optimizer)\n"),),
           ("tests/unit/test_planted_review.py::test_clipping_at_16_mixed_clips_the_true_gradients_not_the_scaled_ones",)),
@@ -1270,7 +1272,7 @@ FAULTS: tuple[Fault, ...] = (
             "        policy = INTERPOLATIONS[aug.interpolation]"),),
           ("tests/unit/test_recipe_options.py::test_a_policy_with_bicubic_crops_runs_bilinear_as_torchvision_allows_on_tensors",)),
     Fault("[44] a batch of one at BatchNorm ends in torch's words alone", "src/gputrain/engine/epoch.py",
-          (("                raise _explained(err, n) from None", "                raise"),),
+          (("                raise _explained(err, micro.size) from None", "                raise"),),
           ("tests/unit/test_recipe_options.py::test_a_batch_of_one_at_batchnorm_says_how_to_avoid_it",)),
     # -- issue 44: the EMA of the weights --------------------------------------------------------------------
     Fault("[44] the EMA is updated before the optimizer step", "src/gputrain/engine/epoch.py",
@@ -1367,4 +1369,49 @@ FAULTS: tuple[Fault, ...] = (
     Fault("[44] parity drops one process's repeated samples", "src/gputrain/tools/diagnose/parity_compare.py",
           (("        samples = [sorted(s) for s in per_step]", "        samples = [sorted(set(s)) for s in per_step]"),),
           ("tests/unit/test_mix.py::test_parity_compares_a_steps_repeated_samples_as_one_process_read_them",)),
+    # -- issue 41: the replay of a non-finite step ----------------------------------------------------------
+    Fault("[41] the watch keeps the last bad module of the forward, not the first", "src/gputrain/nn/watch.py",
+          (("            if self.forward is None and self._bad(peak):", "            if self._bad(peak):"),),
+          (f"{NONFINITE}::test_a_module_that_overflows_float16_is_named_and_its_fp32_modules_fix_trains",)),
+    Fault("[41] the watch names the outermost of the modules handed a bad gradient", "src/gputrain/nn/watch.py",
+          (("        return max(same, key=lambda e:", "        return min(same, key=lambda e:"),),
+          (f"{NONFINITE}::test_the_watch_names_the_innermost_module_first_in_the_forward_and_backward",)),
+    Fault("[41] the float32 replay is skipped", "src/gputrain/engine/forensics.py",
+          (("    record_pass(found, watch, finite, float32=True)\n    return outcome",
+            "    return outcome"),),
+          (f"{NONFINITE}::test_a_nan_made_in_the_backward_names_the_module_and_float32_does_not_remove_it",)),
+    Fault("[41] the replay names rank 0 whatever rank the samples were on", "src/gputrain/engine/forensics.py",
+          (("    found = Findings(rank, samples=", "    found = Findings(0, samples="),),
+          (f"{NONFINITE_RANKS}::test_each_cause_is_named_with_its_rank_on_two_ranks",)),
+    Fault("[41] the failing step is replayed from the state after it", "src/gputrain/engine/forensics.py",
+          (("            before.restore(loop)\n            return examine(", "            return examine("),),
+          (f"{NONFINITE}::test_a_nan_made_in_the_backward_names_the_module_and_float32_does_not_remove_it",)),
+    Fault("[41] the replay goes back to the first weights past a newer checkpoint", "src/gputrain/engine/forensics.py",
+          (("    if checkpointer is not None and comm.broadcast_object(", "    if False and comm.broadcast_object("),),
+          (f"{NONFINITE}::test_the_replay_starts_from_the_newest_checkpoint_before_the_failure",)),
+    Fault("[41] an optimizer step that made the weights inf is blamed on a module", "src/gputrain/engine/forensics.py",
+          (("    return StepOutcome(largest_gradient=largest, weights_finite=loop.all_finite(), lr=lr)",
+            "    return StepOutcome(largest_gradient=largest, weights_finite=True, lr=lr)"),),
+          (f"{NONFINITE}::test_weights_made_non_finite_by_the_optimizer_step_name_the_step_not_a_module",)),
+    Fault("[41] one process playing every rank sums their gradients instead of averaging",
+          "src/gputrain/tools/diagnose/replay.py",
+          (("                                     weight_scale=1.0 / dp)\n        record_pass(found, watch, finite, "
+            "float32=False)", "                                     weight_scale=1.0)\n        record_pass(found, "
+            "watch, finite, float32=False)"),),
+          (f"{NONFINITE_RANKS}::test_one_process_replaying_each_ranks_share_prints_the_runs_report",)),
+    Fault("[41] the replay bundle is not a folder of gputrain's (--overwrite refuses the run)", "src/gputrain/runs/folder.py",
+          (('"splits", "nonfinite"})', '"splits"})'),),
+          (f"{NONFINITE}::test_the_replay_starts_from_the_newest_checkpoint_before_the_failure",)),
+    Fault("[41] the GPU checklist's row leaves out the replay's report", "scripts/gpu_checklist.py",
+          (("    if exit_code == DIVERGED and replayed.is_file():", "    if False:"),),
+          (f"{CHECKLIST}::test_a_run_that_exits_non_zero_fails_with_its_error_line_and_a_rerun_replaces_its_row",)),
+    # -- issue 39: the launcher starts the ranks before it imports torch -----------------------------------
+    Fault("[39] the launcher checks a model's splits under ddp too, importing torch before the ranks start",
+          "src/gputrain/cli/preflight.py",
+          (('        if cfg.trainer.strategy not in ("model_parallel", "pipeline"):\n            return  # only these',
+            '        if False:\n            return  # only these'),),
+          ("tests/unit/test_launcher_imports.py::test_the_checks_before_the_ranks_start_import_no_torch_for_any_built_in_recipe",)),
+    Fault("[39] the models package imports torch at import", "src/gputrain/models/__init__.py",
+          (("from gputrain.extras import resolve\n", "from torch import nn\n\nfrom gputrain.extras import resolve\n"),),
+          ("tests/unit/test_launcher_imports.py::test_the_checks_before_the_ranks_start_import_no_torch_for_any_built_in_recipe",)),
 )

@@ -41,6 +41,12 @@ class NonFiniteError(ValueError):
     """Loss, weights, buffers or optimizer state became NaN/inf; the last good checkpoint is kept."""
 
     exit_code = EXIT_DIVERGED
+    streak = 0
+    """Steps in a row the 16-mixed loss scaler skipped before the run ended (0: the run ended on a NaN/inf)."""
+    head = ""
+    """What went non-finite, and when."""
+    kept = ""
+    """What was (not) written, and the checkpoint that is kept."""
 
 
 class MissingExtra(ImportError):

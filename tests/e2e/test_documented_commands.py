@@ -72,7 +72,7 @@ BEFORE = {
 }
 """The runs a page takes as made (on other pages) before its own commands."""
 
-COMMANDS = ("train", "eval", "data", "bench", "export", "predict", "report", "parity", "doctor", "plan", "env",
+COMMANDS = ("train", "eval", "data", "bench", "export", "predict", "report", "replay", "parity", "doctor", "plan", "env",
             "COMMAND")
 IMAGE_SIZE = {"autoencoder": 40, "coco-maskrcnn": 0}
 """Side of the images a run trains on (the conv autoencoder pools by 20; Mask R-CNN keeps the sample's 64)."""

@@ -88,7 +88,9 @@ def test_a_diverging_recipe_fails_the_checklist_and_the_table_names_it(tmp_path)
     assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
     rows = _table(done.stdout)
     assert "| NaN/inf |" in rows["cifar10-resnet18"]
-    assert "**FAIL**: exit 3 (diverged: NaN/inf): gputrain: error: the weights became NaN/inf" in rows["cifar10-resnet18"]
+    # The row is the replay's report of the run's first non-finite step (issue 41), and where its bundle is.
+    assert "**FAIL**: exit 3 (diverged: NaN/inf); replay of step " in rows["cifar10-resnet18"]
+    assert "(gputrain replay " in rows["cifar10-resnet18"] and "cifar10-resnet18/nonfinite)" in rows["cifar10-resnet18"]
     assert "1 check(s): 0 passed, 1 failed, 0 skipped" in done.stdout
 
 

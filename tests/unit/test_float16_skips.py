@@ -112,11 +112,12 @@ def test_a_forward_that_always_overflows_ends_the_run_in_one_line_naming_the_cau
         _fit(tmp_path, x, epochs=1)
     message = str(info.value)
     assert "\n" not in message and info.value.exit_code == 3
+    # The replay of the streak's first step names the module, and the fix (issue 41).
     assert message.startswith("the gradients of 25 steps in a row (trainer.precision=16-mixed) became NaN/inf at "
-                              "epoch 1 step 25; nothing non-finite was written")
-    assert "the loss itself was inf/NaN in 25 of them, so float16 overflows in the forward: use " \
-           "trainer.precision=bf16-mixed on a GPU that has bfloat16, or 32" in message
-    assert "lowered its scale to 0.00195" in message
+                              "epoch 1 step 25; replay of step 1 (epoch 1) at precision 16-mixed: the first non-finite "
+                              "value is in 0 (Linear): its output became ")
+    assert "float32 makes the step finite; fix: trainer.fp32_modules=[0] (or --precision bf16-mixed); nothing " \
+           "non-finite was written (no checkpoint had been written)" in message
 
 
 def test_a_backward_that_always_gives_nan_gradients_ends_the_run_saying_the_loss_was_finite(tmp_path):
@@ -128,7 +129,10 @@ def test_a_backward_that_always_gives_nan_gradients_ends_the_run_saying_the_loss
     x = torch.randn(120, 4, generator=torch.Generator().manual_seed(0))
     with pytest.raises(NonFiniteError) as info:
         _fit(tmp_path, x, epochs=1, loss=nan_gradients)
-    assert "the loss was finite in each, so the backward makes NaN/inf gradients at any scale" in str(info.value)
+    assert "the loss of rank 0 is finite but its backward sends a NaN/inf gradient into the model (at the output of " \
+           "2;" in str(info.value)
+    assert "float32 does not make it finite, so precision is not the cause; fix: make the loss's gradient finite" \
+           in str(info.value)
 
 
 def test_a_window_mixing_trained_and_skipped_steps_logs_the_mean_of_the_trained_ones(tmp_path):

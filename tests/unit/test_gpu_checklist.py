@@ -72,6 +72,14 @@ def test_a_run_that_exits_non_zero_fails_with_its_error_line_and_a_rerun_replace
     done = _checklist("table", first, second)
     assert done.returncode == 0 and _row(done.stdout, "coco-maskrcnn").endswith("| pass |")
     assert _checklist("table", tmp_path / "nothing").returncode == 1  # no check at all is not a pass
+    # A run that replayed its failing step (issue 41): the row is the replay's report, and where its bundle is.
+    (run / "nonfinite").mkdir()
+    (run / "nonfinite" / "report.txt").write_text("replay of step 3 (epoch 1) at precision 16-mixed: the first "
+                                                  "non-finite value is in aspp (ASPP): its output became inf\n")
+    _checklist("recipe", "ade20k-deeplabv3plus 16-mixed", run, "--out", first, "--exit-code", 3, "--log", log)
+    row = _row(_checklist("table", first).stdout, "ade20k-deeplabv3plus 16-mixed")
+    assert ("**FAIL**: exit 3 (diverged: NaN/inf); replay of step 3 (epoch 1) at precision 16-mixed: the first "
+            f"non-finite value is in aspp (ASPP): its output became inf (gputrain replay {run / 'nonfinite'}) |") in row
 
 
 def _pytest_report(folder: Path, body: str) -> tuple[Path, int]:

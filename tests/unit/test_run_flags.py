@@ -97,5 +97,5 @@ def test_the_help_lists_every_command(capsys):
         parse_args(["--help"])
     listed = capsys.readouterr().out.split("commands:\n", 1)[1].split("\n\n", 1)[0]
     names = {line.split()[0] for line in listed.splitlines() if line.startswith("  ") and not line.startswith("   ")}
-    assert names == {"train", "eval", "export", "predict", "report", "data", "bench", "parity", "doctor", "plan",
-                     "env"}
+    assert names == {"train", "eval", "export", "predict", "report", "replay", "data", "bench", "parity", "doctor",
+                     "plan", "env"}

@@ -132,10 +132,13 @@ class Checkpointer:
 
 def non_finite_error(what: str, progress: TrainState, last: str, fix: str = "") -> NonFiniteError:
     kept = f"the last good checkpoint, {last}, is kept" if last else "no checkpoint had been written"
-    return NonFiniteError(
+    err = NonFiniteError(
         f"{what} became NaN/inf at epoch {progress.epoch + 1} step {progress.global_step}; nothing non-finite was "
         f"written ({kept}); {fix or 'lower optim.lr or set trainer.grad_clip_norm'}"
     )
+    err.head = f"{what} became NaN/inf at epoch {progress.epoch + 1} step {progress.global_step}"
+    err.kept = f"nothing non-finite was written ({kept})"
+    return err
 
 
 def _agree_on_the_write(dist: DistInfo, failed: Exception | None) -> None:

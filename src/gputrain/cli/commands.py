@@ -266,6 +266,12 @@ def cmd_report(args: argparse.Namespace, argv: Sequence[str]) -> int:
     return EXIT_OK
 
 
+def cmd_replay(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    from gputrain.tools.diagnose.replay import run_replay
+
+    return run_replay(args.bundle, device=args.accelerator)
+
+
 def cmd_parity(args: argparse.Namespace, argv: Sequence[str]) -> int:
     _check_recipe(args)  # a missing data folder is one line here, not a hang or a failure on every rank
     from gputrain.tools.diagnose.parity import cmd_parity as run

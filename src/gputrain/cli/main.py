@@ -32,7 +32,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     handlers = {"train": c.cmd_train, "eval": c.cmd_eval, "data make": c.cmd_data_make,
                 "bench scale": c.cmd_bench_scale, "bench throughput": c.cmd_bench_throughput,
                 "export onnx": c.cmd_export_onnx, "parity": c.cmd_parity, "doctor": c.cmd_doctor, "plan": c.cmd_plan, "env": c.cmd_env,
-                "predict": c.cmd_predict, "report": c.cmd_report}
+                "predict": c.cmd_predict, "report": c.cmd_report, "replay": c.cmd_replay}
     parser = build_parser(DESCRIPTION, EPILOG, __version__, c.TRAINING_ONLY, handlers)
     # Dotted overrides may come after flags; argparse cannot mix a nargs="*" positional with
     # flags under sub-commands, so collect leftovers of the form key=value ourselves.

@@ -29,6 +29,7 @@ commands:
   export onnx --checkpoint PATH --out F  export a checkpoint to ONNX, checked with onnxruntime
   predict --checkpoint PATH --input IMAGES --out DIR   run a checkpoint on images; writes predictions
   report RUN_DIR                         draw curves.png and samples.png of a run
+  replay RUN_DIR/nonfinite               rerun the step a run went NaN/inf on and name the module and samples
   data make KIND --out DIR               write a small sample data set in a real on-disk format
   bench scale RECIPE --devices 1,2       time a recipe over device counts and batch sizes
   bench throughput RECIPE [--json F]     images/s with real and synthetic data, input-bound ratio, FLOPs, memory
@@ -214,6 +215,16 @@ def build_parser(description: str, epilog: str, version: str, eval_hidden: Seque
     report.add_argument("run_dir", help="a run folder, e.g. runs/latest")
     report.add_argument("--samples", type=int, default=8, help="validation images in samples.png (0: none)")
     report.set_defaults(func=handlers["report"])
+
+    replay = sub.add_parser("replay", help="rerun the step a run went NaN/inf on, from its nonfinite/ folder",
+                            description="Rerun, in this process, the training step a run went NaN/inf on, from the "
+                                        "nonfinite/ folder it wrote (the state before the step and each rank's "
+                                        "micro-batches), and print the report: the first module, the rank, the "
+                                        "samples, whether float32 removes it, and the fix (docs/precision.md).")
+    replay.add_argument("bundle", help="RUN_DIR/nonfinite (or the run folder)")
+    replay.add_argument("--accelerator", choices=["cpu", "cuda"], default="cpu",
+                        help="where to replay (default cpu: any machine)")
+    replay.set_defaults(func=handlers["replay"])
 
     _add_tools(sub, handlers)
     return parser

@@ -114,9 +114,12 @@ def check_model(cfg: RunConfig) -> None:
     name, kind = cfg.model.name, model_kind(cfg)
     if kind and name and ":" not in name:
         from gputrain.models import check_model_name, timm_zoo
-        from gputrain.models.zoo import check_splits
 
         check_model_name(name, kind)
+        if cfg.trainer.strategy not in ("model_parallel", "pipeline"):
+            return  # only these split the model into a chain of blocks (and the check imports torch, torchvision)
+        from gputrain.models.zoo import check_splits
+
         if timm_zoo.is_timm(name):
             timm_zoo.check_splits(name, cfg.trainer.strategy)
         else:

@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from gputrain.dist import comm
-from gputrain.engine.epoch import empty_like_batch, first_sample_batch
 from gputrain.engine.fast import to_memory_format
+from gputrain.engine.step import empty_like_batch, first_sample_batch
 from gputrain.runs.records import strict_json
 from gputrain.strategies.base import move_to_device
 

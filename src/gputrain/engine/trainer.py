@@ -25,14 +25,14 @@ from gputrain.config.load import to_dict
 from gputrain.config.schema import RunConfig, TrainerConfig
 from gputrain.dist import DistInfo, init_distributed, restart_attempt
 from gputrain.dist.stop import StopRequest
-from gputrain.engine import record, setup
+from gputrain.engine import forensics, record, setup
 from gputrain.engine.built import BuiltRun
 from gputrain.engine.context import build_context
 from gputrain.engine.epoch import run_epoch
 from gputrain.engine.evaluate import evaluate_batches, evaluate_only
 from gputrain.engine.hooks import Hook, RunContext
 from gputrain.engine.state import LossWindow, seed_everything
-from gputrain.errors import Interrupted
+from gputrain.errors import Interrupted, NonFiniteError
 from gputrain.strategies import registered
 from gputrain.tasks.base import Task
 
@@ -73,6 +73,9 @@ class Trainer(BuiltRun):
         """The loss sums of a partly trained epoch, from the checkpoint this run resumed from."""
         self._fresh_out: tuple[Path, bool] | None = None
         self._monitor_checked = False
+        self._first_weights: forensics.StateCopy | None = None
+        """A fresh run's starting state on the host, until its first checkpoint: where a replay of a non-finite step
+        starts when no checkpoint precedes it (issue 41)."""
 
     # -- the job and the run folder --------------------------------------------------------------
     def prepare(self, *, for_training: bool = True) -> Path:
@@ -107,7 +110,11 @@ class Trainer(BuiltRun):
             with StopRequest(self.dist.world_size) as self.stop:
                 try:
                     self._call("before_fit")
-                    summary = self._fit_epochs(loop)
+                    try:
+                        summary = self._fit_epochs(loop)
+                    except NonFiniteError as diverged:  # the failing step replayed and explained, on every rank
+                        raise forensics.explain(loop, diverged, self.state, out=self.out, initial=self._first_weights,
+                                                config=self.config_dict) from None
                 except BaseException as err:
                     self._call("on_exception", err)
                     raise
@@ -140,6 +147,8 @@ class Trainer(BuiltRun):
         if resume is not None:
             self.state, self.carried_loss = setup.restore_training(loop, resume)
             self.resumed = True
+        elif loop.strategy.name != "pipeline":
+            self._first_weights = forensics.StateCopy(loop, on_host=True)
         self.config_dict = to_dict(loop.cfg)
         from gputrain.engine.defaults import default_hooks
 
@@ -178,6 +187,8 @@ class Trainer(BuiltRun):
                     self._monitor_checked = True
             metrics["time/epoch_s"] = metrics["time/train_s"] + metrics.get("time/val_s", 0.0)
             self._call("after_epoch", metrics)
+            if self._first_weights is not None and forensics.checkpoint_written(loop):
+                self._first_weights = None  # a replay starts from the newest whole checkpoint from now on
         summary = record.write_summary(loop, self.out, self.state, metrics, wall_s=time.perf_counter() - start,
                                        train_s=train_time, samples=train_samples)
         self._call("after_fit", summary)

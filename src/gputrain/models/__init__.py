@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from torch import nn
-
 from gputrain.extras import resolve
 from gputrain.models import timm_zoo
 
 if TYPE_CHECKING:
+    from torch import nn
+
     from gputrain.config import ModelConfig
 
 BUILTIN_MODELS: dict[str, str] = {
@@ -41,6 +41,10 @@ def build_model(name: str, **kwargs: Any) -> nn.Module:
             raise ValueError(f"model.name={name!r} is unknown; built-in: {sorted(BUILTIN_MODELS)}, a torchvision model "
                              "name (docs/models.md), or package.module:function")
         return zoo.build(name, kind, **kwargs)
+    from torch import (
+        nn,  # here: the launcher checks a model's name (check_model_name) without importing torch
+    )
+
     model = resolve(target, field="model.name")(**kwargs)
     if not isinstance(model, nn.Module):
         raise TypeError(f"model.name={name!r} returned {type(model).__name__}, not an nn.Module")

@@ -16,9 +16,11 @@ from __future__ import annotations
 import difflib
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from torch import nn
+if TYPE_CHECKING:
+    from torch import nn  # annotations only: the launcher's check of a name imports no torch
+
 
 PREFIX = "timm/"
 EXTRA = "pip install 'gputrain[timm]' (timm==1.0.31)"

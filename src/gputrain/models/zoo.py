@@ -81,8 +81,10 @@ splitting strategies refuse them before any worker starts (:mod:`gputrain.parall
 
 def check_splits(name: str, strategy: str, kwargs: dict[str, Any]) -> None:
     """Refuse in one line a torchvision model that is no chain under model_parallel or pipeline."""
+    if strategy not in ("model_parallel", "pipeline"):  # first: kind_of imports torchvision, seconds in a launcher
+        return
     kind = kind_of(name)
-    if kind is None or strategy not in ("model_parallel", "pipeline"):
+    if kind is None:
         return
     if kind == "segmentation" and name.startswith(("deeplabv3_", "fcn_")) and kwargs.get("aux_loss", True):
         raise ValueError(f"strategy {strategy} cannot split torchvision's {name} with its auxiliary head (it reads an "

@@ -33,7 +33,7 @@ OWNED_FILES = frozenset({RUN_MARKER, "config.yaml", "metrics.jsonl", "metrics.cs
                          "predictions.json", "curves.png", "samples.png", "scale.json", "scale.md", "scale.png",
                          "throughput.json"})
 """The files gputrain writes at the top of a run folder (and of ``bench`` folders)."""
-OWNED_TREES = frozenset({"tensorboard", "wandb", "splits"})
+OWNED_TREES = frozenset({"tensorboard", "wandb", "splits", "nonfinite"})
 """Folders gputrain, or a logger it runs, fills whole: everything inside is theirs."""
 CHECKPOINTS = "checkpoints"
 
