@@ -4,6 +4,7 @@ Each cause is a small classifier trained with the Python API on a dataset read f
 report can name a file):
 - ``overflow``: a module that multiplies by 1e5 and divides again overflows float16 in the forward at 16-mixed,
   on every step, until the loss scaler's streak of skipped steps ends the run;
+- ``loud``: a module that multiplies by 1e5 at 16-mixed: kept in float32, the next float16 op overflows on its output;
 - ``sample``: one sample's file holds a NaN, at precision 32;
 - ``backward``: a module whose forward is finite and whose backward is NaN (the gradient of sqrt at 0);
 - ``lr``: finite gradients and an lr so large that the first optimizer step makes the weights inf.
@@ -40,6 +41,17 @@ class Amplify(nn.Module):
         return x * self.gain / self.gain
 
 
+class Scale(nn.Module):
+    """Multiplies by ``gain``: in float32 its output fits, and the next float16 op overflows on it."""
+
+    def __init__(self, gain: float) -> None:
+        super().__init__()
+        self.gain = gain
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.gain
+
+
 class SqrtAtZero(nn.Module):
     """Adds sqrt(0 * x): zero in the forward, NaN in the backward (0.5 / sqrt(0) times 0)."""
 
@@ -48,7 +60,7 @@ class SqrtAtZero(nn.Module):
 
 
 def model(cause: str) -> nn.Module:
-    middle: nn.Module = {"overflow": Amplify(1e5), "backward": SqrtAtZero()}.get(cause, nn.Identity())
+    middle: nn.Module = {"overflow": Amplify(1e5), "loud": Scale(1e5), "backward": SqrtAtZero()}.get(cause, nn.Identity())
     torch.manual_seed(SEED)
     return nn.Sequential(nn.Flatten(), nn.Linear(12, 16), middle, nn.ReLU(), nn.Linear(16, 3))
 
@@ -84,13 +96,13 @@ def write_data(root: Path, *, nan_sample: bool, scale: float = 1.0) -> FileSampl
 
 
 def fail(root: Path, cause: str, *, devices: int = 1, fp32_modules: list[str] | None = None,
-         checkpoint_every: int = 0, strategy: str = "ddp") -> str:
+         checkpoint_every: int = 0, strategy: str = "ddp", global_batch: int = 2) -> str:
     """Train the planted run; the NonFiniteError's line, or "" when it trained to the end."""
     # lr: inputs of std 10 make gradients above 1.2, which times lr 3e38 is beyond float32 on the first step
     data = write_data(root / "data", nan_sample=cause == "sample", scale=10.0 if cause == "lr" else 1.0)
     trainer = Trainer(out=str(root / "run"), overwrite=True, strategy=strategy if devices > 1 else "single",
-                      devices=devices, accelerator="cpu", epochs=1, batch_size=2 // devices, seed=SEED,
-                      precision="16-mixed" if cause == "overflow" else "32", log_every_n_steps=8,
+                      devices=devices, accelerator="cpu", epochs=1, batch_size=global_batch // devices, seed=SEED,
+                      precision="16-mixed" if cause in ("overflow", "loud") else "32", log_every_n_steps=8,
                       fp32_modules=fp32_modules or [], checkpoint_every_n_steps=checkpoint_every, progress_bar=False)
     if cause == "lr":  # plain SGD: lr x |gradient| beyond float32's 3.4e38 on the first step
         trainer.cfg.optim.name, trainer.cfg.optim.lr, trainer.cfg.optim.momentum = "sgd", 3e38, 0.0

@@ -31,6 +31,26 @@ def test_a_module_that_overflows_float16_is_named_and_its_fp32_modules_fix_train
     assert sum(r.get("train/skipped_steps", 0) for r in logged) == 0
 
 
+def test_a_module_kept_in_float32_whose_output_overflows_the_next_float16_op_gets_both_in_the_fix(tmp_path):
+    """A helper trying the docs as a new user found the fix circular: with the named module kept in float32, the
+    report named it again. The report names the float16 op that overflows, and the list keeps the first module."""
+    first = fail(tmp_path / "a", "loud")
+    assert "the first non-finite value is in 2 (Scale): its output became inf" in first
+    assert "fix: trainer.fp32_modules=[2] (or --precision bf16-mixed)" in first
+    second = fail(tmp_path / "b", "loud", fp32_modules=["2"])
+    assert "the first non-finite value is in 4 (Linear): its output became " in second
+    assert "from values up to " in second and " out of 2 (Scale), beyond float16's 65504" in second
+    assert "fix: trainer.fp32_modules=[2,4] (or --precision bf16-mixed)" in second
+    assert fail(tmp_path / "c", "loud", fp32_modules=["2", "4"]) == ""
+
+
+def test_a_run_shorter_than_the_skip_limit_whose_every_step_overflows_fails_too(tmp_path):
+    """8 steps, each skipped by the loss scaler: the run trained nothing, and once ended with exit 0."""
+    line = fail(tmp_path, "overflow", global_batch=8)
+    assert line.startswith("the gradients of 8 steps in a row (trainer.precision=16-mixed) became NaN/inf at epoch 1 "
+                           "step 8; replay of step 1 (epoch 1)")
+
+
 def test_a_nan_in_one_samples_file_names_that_sample_and_file(tmp_path):
     line = fail(tmp_path, "sample")
     step = NAN_POSITION // 2 + 1
@@ -38,6 +58,7 @@ def test_a_nan_in_one_samples_file_names_that_sample_and_file(tmp_path):
     assert f"sample_{nan_index():03d}_{nan_index() % 3}.pt) on rank 0 holds NaN/inf in its input" in line
     saved = json.loads((tmp_path / "run/nonfinite/report.json").read_text())
     assert saved["report"]["samples"] == [[0, nan_index()]] and saved["report"]["cause"] == "data"
+    assert saved["replayed_from"] == "the run's starting weights" and saved["epoch"] == 1
 
 
 def test_the_replay_starts_from_the_newest_checkpoint_before_the_failure(tmp_path):
@@ -45,6 +66,8 @@ def test_the_replay_starts_from_the_newest_checkpoint_before_the_failure(tmp_pat
     line = fail(tmp_path, "sample", checkpoint_every=2)
     assert f"replay of step {NAN_POSITION // 2 + 1} (epoch 1): sample {nan_index()}" in line
     assert "the last good checkpoint" in line and "step_000002.pt" in line
+    saved = json.loads((tmp_path / "run/nonfinite/report.json").read_text())
+    assert saved["replayed_from"] == f"checkpoint {tmp_path / 'run/checkpoints/step_000002.pt'}"
 
 
 def test_a_nan_made_in_the_backward_names_the_module_and_float32_does_not_remove_it(tmp_path):
@@ -73,13 +96,15 @@ def test_the_watch_names_the_innermost_module_first_in_the_forward_and_backward(
     assert (watch.backward.module, watch.backward.kind) == ("1.0", "SqrtAtZero")
     assert set(watch.outputs) == {"0", "1", "1.0", "1.1", "2"}
     assert not net[0]._forward_hooks  # removed on leaving the block
-    # The forward: the innermost module whose output is beyond float16, before the blocks around it.
-    net = nn.Sequential(nn.Linear(12, 16), nn.Sequential(nn.Sequential(Amplify(1.0), nn.ReLU())), nn.Linear(16, 3))
+    # The forward: the first float32 output beyond float16's range is kept apart; the first NaN/inf one is the
+    # event, the innermost module first (Amplify fires before the blocks around it).
+    net = nn.Sequential(nn.Linear(12, 16), nn.Sequential(nn.Sequential(Amplify(1e36), nn.ReLU())), nn.Linear(16, 3))
     with torch.no_grad():
         net[0].bias.fill_(1e5)
     with Watch(net, float16=True) as watch:
         net(torch.randn(2, 12))
-    assert watch.forward is not None and watch.forward.module == "0" and watch.forward.value > 65504
+    assert watch.beyond is not None and watch.beyond.module == "0" and watch.beyond.value > 65504
+    assert watch.forward is not None and (watch.forward.module, watch.forward.kind) == ("1.0.0", "Amplify")
 
 
 @pytest.mark.parametrize("dp", [1, 2])

@@ -165,3 +165,21 @@ def test_losses_are_drawn_left_and_the_task_metric_right_and_a_spike_puts_the_lo
     assert "10^" not in losses and "10^" not in metric  # 5x between the ends: linear axes
     (spiked,) = _svg_panels({"train/loss": (epochs, [100.0, 2.0, 1.5, 1.2, 1.0])}, tmp_path)
     assert "10^{0}" in spiked and "10^{2}" in spiked  # 100x: a log axis, so the epochs after the spike show
+
+
+def test_a_run_whose_inputs_are_no_images_ends_with_curves_and_no_samples_picture(tmp_path: Path) -> None:
+    """A Python-API run on vectors (a TensorDataset) once ended in a traceback from the samples picture."""
+    import torch
+    from torch import nn
+    from torch.utils.data import TensorDataset
+
+    from gputrain import Trainer
+    from gputrain.tasks.classification import ClassificationTask
+
+    x = torch.randn(40, 12, generator=torch.Generator().manual_seed(0))
+    y = (x.sum(1) > 0).long()
+    # docs/recipes.md's task of your own: the classification task, which draws its samples, on vectors.
+    Trainer(out=str(tmp_path / "run"), accelerator="cpu", epochs=1, batch_size=8, progress_bar=False).fit(
+        nn.Linear(12, 2), TensorDataset(x[:30], y[:30]), TensorDataset(x[30:], y[30:]),
+        task=ClassificationTask(num_classes=2))
+    assert (tmp_path / "run" / "curves.png").is_file() and not (tmp_path / "run" / "samples.png").exists()

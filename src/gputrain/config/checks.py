@@ -19,6 +19,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from gputrain.config.augment_checks import check_augmentation
 from gputrain.config.schema import COMPILE_MODES, RunConfig
 
 INT32_MAX = 2**31 - 1
@@ -122,6 +123,9 @@ RANGES: dict[str, Range] = {
     "trainer.max_steps_per_epoch": COUNT_OR_OFF,
     "trainer.pictures": Range(ge=0, le=1024, example="0 draws no pictures"),
     "launch.nnodes": Range(ge=1, le=65536),
+    "launch.max_nodes": Range(ge=0, le=65536),
+    "launch.join_timeout_s": Range(ge=1, le=10**6),
+    "launch.last_call_s": Range(ge=0, le=10**6),
     "launch.node_rank": Range(ge=0, le=65535),
     "launch.max_restarts": Range(ge=0, le=1000),
 }
@@ -165,7 +169,7 @@ def check_numbers(cfg: Any) -> None:
 
 def check_combinations(cfg: RunConfig) -> None:
     """Values that are each fine but not together, and names with a fixed set of choices."""
-    t, launch = cfg.trainer, cfg.launch
+    t = cfg.trainer
     if isinstance(cfg.data.num_workers, str) and cfg.data.num_workers != "auto":
         raise ValueError(f"data.num_workers={cfg.data.num_workers!r} must be a count of at least 0 or auto "
                          "(the cores of the node divided by its processes)")
@@ -197,14 +201,27 @@ def check_combinations(cfg: RunConfig) -> None:
     if t.monitor.startswith("val_ema/") and not t.ema_decay:
         raise ValueError(f"trainer.monitor={t.monitor} reads the EMA's validation, and trainer.ema_decay=0 keeps no "
                          "EMA; set trainer.ema_decay (e.g. 0.9999) or monitor val/...")
-    if not launch.node_rank < launch.nnodes:
-        raise ValueError(f"launch.node_rank={launch.node_rank} must be in [0, launch.nnodes={launch.nnodes})")
+    check_launch(cfg)
     if t.overwrite and t.resume == "auto":
         raise ValueError("trainer.overwrite=true would delete the run that trainer.resume=auto continues; choose one")
     check_split_options(cfg)
 
 
 SPLIT_STRATEGIES = ("model_parallel", "pipeline")
+
+
+def check_launch(cfg: RunConfig) -> None:
+    """The nodes of the job: a node rank among them, and an elastic range only where a model is not split."""
+    launch, most = cfg.launch, max(cfg.launch.nnodes, cfg.launch.max_nodes)
+    if launch.max_nodes and launch.max_nodes < launch.nnodes:
+        raise ValueError(f"--nnodes {launch.nnodes}:{launch.max_nodes}: the most nodes must be at least the fewest")
+    if not launch.node_rank < most:
+        field = "launch.max_nodes" if launch.max_nodes else "launch.nnodes"
+        raise ValueError(f"launch.node_rank={launch.node_rank} must be in [0, {field}={most})")
+    if most > launch.nnodes and cfg.trainer.strategy in SPLIT_STRATEGIES:
+        raise ValueError(f"--nnodes {launch.nnodes}:{most} lets the job's size change, and strategy "
+                         f"{cfg.trainer.strategy} splits the model over a fixed number of processes; train an elastic "
+                         "job with ddp or fsdp, or give --nnodes one number")
 
 
 def check_split_options(cfg: RunConfig, stages: int | None = None, strategy: str = "") -> None:
@@ -240,47 +257,6 @@ def check_split_options(cfg: RunConfig, stages: int | None = None, strategy: str
         raise ValueError(f"parallel.split_points has {len(p.split_points)} names for {stages} stages; give "
                          f"{stages - 1} (the blocks that start stages 2..{stages})")
     check_micro_batches(t.batch_size, p.micro_batches)
-
-
-CLASSIFICATION_ONLY = (("optim.label_smoothing", 0.0), ("data.auto_augment", ""), ("data.random_erase", 0.0),
-                       ("data.crop_scale", [0.08, 1.0]), ("data.hflip", 0.5), ("data.train_crop_size", 0),
-                       ("data.val_resize_size", 0), ("data.val_crop_size", 0), ("data.interpolation", "bilinear"),
-                       ("data.mixup_alpha", 0.0), ("data.cutmix_alpha", 0.0), ("data.repeated_augment", 1))
-"""Options the classification task alone reads, with their defaults."""
-
-
-POLICIES = ("ta_wide", "ra", "augmix", "imagenet")
-"""``data.auto_augment``'s names, as torchvision's reference spells them (``--auto-augment``)."""
-INTERPOLATIONS = ("nearest", "bilinear", "bicubic")
-
-
-def check_augmentation(cfg: RunConfig) -> None:
-    """Classification's augmentation options: names, the crop range, and a task that reads them."""
-    d = cfg.data
-    if d.auto_augment and d.auto_augment not in POLICIES:
-        raise ValueError(f"data.auto_augment={d.auto_augment!r} is unknown; choose {', '.join(POLICIES)} (or leave it "
-                         "empty)")
-    if d.interpolation not in INTERPOLATIONS:
-        raise ValueError(f"data.interpolation={d.interpolation!r} is unknown; choose {', '.join(INTERPOLATIONS)}")
-    if len(d.crop_scale) != 2 or d.crop_scale[0] > d.crop_scale[1]:
-        raise ValueError(f"data.crop_scale={list(d.crop_scale)} must be two numbers [low, high] with low <= high, "
-                         "e.g. [0.08, 1.0]")
-    crop = d.val_crop_size or d.image_size or 224
-    if d.val_resize_size and d.val_resize_size < crop:
-        raise ValueError(f"data.val_resize_size={d.val_resize_size} is smaller than the validation crop {crop} "
-                         "(data.val_crop_size, else data.image_size); resize to at least the crop, e.g. "
-                         f"data.val_resize_size={round(crop * 232 / 224)} as torchvision's 232/224")
-    t = cfg.trainer
-    if (d.mixup_alpha or d.cutmix_alpha) and t.batch_size % 2:
-        raise ValueError(f"data.mixup_alpha/cutmix_alpha mix the samples of each device's batch two by two, and "
-                         f"trainer.batch_size={t.batch_size} is odd; use an even batch size, e.g. {t.batch_size + 1}")
-    if cfg.task in ("autoencoder", "segmentation", "detection"):
-        for name, default in CLASSIFICATION_ONLY:
-            section, field = name.split(".")
-            value = getattr(getattr(cfg, section), field)
-            if value != default:
-                raise ValueError(f"{name}={value!r} applies to classification, and task {cfg.task} does not read it; "
-                                 "drop it")
 
 
 def check_micro_batches(batch_size: int, micro_batches: int) -> None:

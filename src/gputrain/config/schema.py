@@ -278,10 +278,17 @@ class LaunchConfig:
     """Multi-node arguments, passed through to torchrun's rendezvous."""
 
     nnodes: int = 1
+    """Nodes in the job; with ``max_nodes`` the fewest an elastic job runs on (``--nnodes MIN:MAX``)."""
+    max_nodes: int = 0
+    """The most nodes an elastic job takes in (0: ``nnodes``, a fixed size); nodes may leave and join between them."""
     node_rank: int = 0
     rdzv_endpoint: str = ""
     rdzv_id: str = "gputrain"
     max_restarts: int = 0
+    join_timeout_s: int = 600
+    """Seconds the rendezvous waits for ``nnodes`` nodes before the job ends in one line (torchrun's default)."""
+    last_call_s: int = 30
+    """Seconds an elastic rendezvous waits for more nodes once ``nnodes`` have joined (torchrun's default)."""
 
 
 @dataclass(kw_only=True)

@@ -19,7 +19,7 @@ from typing import Any
 from torch import Tensor
 from torchvision.transforms import InterpolationMode, v2
 
-from gputrain.config.checks import POLICIES
+from gputrain.config.augment_checks import POLICIES
 from gputrain.data.images import normalize_transform, to_uint8
 
 INTERPOLATIONS = {"nearest": InterpolationMode.NEAREST, "bilinear": InterpolationMode.BILINEAR,

@@ -42,7 +42,7 @@ from gputrain.engine.replay import (
     watched_pass,
 )
 from gputrain.engine.step import StepReader, optimizer_step
-from gputrain.engine.verdict import Report, decide, stats_of
+from gputrain.engine.verdict import Report, decide, finite_or_none, stats_of
 from gputrain.errors import NonFiniteError
 from gputrain.strategies.base import MicroBatch, move_to_device
 
@@ -96,8 +96,9 @@ def explain(loop: Loop, err: NonFiniteError, progress: TrainState, *, out: Path,
         return err
     bundle = out / BUNDLE
     if loop.dist.is_main:
-        print(f"gputrain: the replay of the failing step took {time.perf_counter() - started:.1f} s; its state, "
-              f"samples and per-module figures are in {bundle}", flush=True)
+        start = json.loads((bundle / "report.json").read_text()).get("replayed_from", "")
+        print(f"gputrain: replayed the first non-finite step from {start} in {time.perf_counter() - started:.1f} s; "
+              f"its state, samples and per-module figures are in {bundle}", flush=True)
     explained = NonFiniteError(f"{err.head}; {report.line}; {err.kept}; `gputrain replay {bundle}` reruns the step"
                                if err.head else f"{err}; {report.line}")
     explained.streak, explained.head, explained.kept = err.streak, err.head, err.kept
@@ -113,11 +114,12 @@ def investigate(loop: Loop, err: NonFiniteError, progress: TrainState, *, out: P
         scaler = getattr(loop.precision, "scaler", None)
         if scaler is not None:
             scaler.update(new_scale=scaler.get_scale() * 2.0 ** err.streak)
-        return examine(loop, *divmod(first, spe), out=out, config=config)
-    start = _go_back(loop, initial)
-    if start is None:
+        return examine(loop, *divmod(first, spe), out=out, config=config,
+                       start=f"the run's state before its {err.streak} skipped steps in a row")
+    gone_back = _go_back(loop, initial)
+    if gone_back is None:
         return None
-    done = start
+    done, start = gone_back
     reader: StepReader | None = None
     while done < progress.global_step:
         epoch, k = divmod(done, spe)
@@ -126,9 +128,9 @@ def investigate(loop: Loop, err: NonFiniteError, progress: TrainState, *, out: P
         before = StateCopy(loop)
         if not _step_stays_finite(loop, reader, k, done):
             before.restore(loop)
-            return examine(loop, epoch, k, out=out, config=config)
+            return examine(loop, epoch, k, out=out, config=config, start=start)
         done += 1
-    return examine(loop, *divmod(progress.global_step - 1, spe), out=out, config=config)
+    return examine(loop, *divmod(progress.global_step - 1, spe), out=out, config=config, start=start)
 
 
 def checkpoint_written(loop: Loop) -> bool:
@@ -140,8 +142,8 @@ def checkpoint_written(loop: Loop) -> bool:
     return bool(comm.broadcast_object(bool(loop.checkpointer.store.latest_valid()) if loop.dist.is_main else None))
 
 
-def _go_back(loop: Loop, initial: StateCopy | None) -> int | None:
-    """Load the newest whole checkpoint, else the run's first weights; the global step it stands at."""
+def _go_back(loop: Loop, initial: StateCopy | None) -> tuple[int, str] | None:
+    """Load the newest whole checkpoint, else the run's first weights: the global step it stands at, and what it is."""
     checkpointer = loop.checkpointer
     newest = checkpointer.store.latest_valid() if checkpointer is not None and loop.dist.is_main else None
     if checkpointer is not None and comm.broadcast_object(str(newest) if newest else ""):
@@ -151,11 +153,11 @@ def _go_back(loop: Loop, initial: StateCopy | None) -> int | None:
             from gputrain.checkpoint.sharded import load_sharded
 
             load_sharded(loop.strategy, loop.module, loop.optimizer, Path(saved["_path"]).parent / saved["sharded"])
-        return restore(loop.parts, saved, saved["_path"]).global_step
+        return restore(loop.parts, saved, saved["_path"]).global_step, f"checkpoint {saved['_path']}"
     if initial is None:
         return None
     initial.restore(loop)
-    return 0
+    return 0, "the run's starting weights"
 
 
 def _step_stays_finite(loop: Loop, reader: StepReader, k: int, done: int) -> bool:
@@ -195,7 +197,7 @@ def loaded_micro_batches(saved: list[dict[str, Any]], device: torch.device) -> l
              [tuple(key) for key in s["keys"]]) for s in saved]
 
 
-def examine(loop: Loop, epoch: int, k: int, *, out: Path, config: dict[str, Any]) -> Report:
+def examine(loop: Loop, epoch: int, k: int, *, out: Path, config: dict[str, Any], start: str) -> Report:
     """Replay step ``k`` of ``epoch`` from the live state (the state before it) and write the bundle."""
     assert loop.optimizer is not None
     rank, step = loop.dist.rank, epoch * loop.steps_per_epoch + k + 1
@@ -223,7 +225,8 @@ def examine(loop: Loop, epoch: int, k: int, *, out: Path, config: dict[str, Any]
         report = write_report(bundle, findings, outcome, step=step, epoch=epoch, precision=loop.precision.name,
                               data_parallel=loop.strategy.dp_size == loop.dist.world_size, names=names,
                               meta={"world_size": loop.dist.world_size, "dp_size": loop.strategy.dp_size,
-                                    "strategy": loop.strategy.name})
+                                    "strategy": loop.strategy.name, "replayed_from": start},
+                              float32_modules=list(loop.cfg.trainer.fp32_modules))
     return Report(**comm.broadcast_object(dataclasses.asdict(report) if report else None))
 
 
@@ -265,15 +268,18 @@ def sample_names(loop: Loop, findings: list[Findings]) -> dict[str, str]:
 
 
 def write_report(bundle: Path, findings: list[Findings], outcome: StepOutcome, *, step: int, epoch: int,
-                 precision: str, data_parallel: bool, names: dict[str, str], meta: dict[str, Any]) -> Report:
+                 precision: str, data_parallel: bool, names: dict[str, str], meta: dict[str, Any],
+                 float32_modules: list[str]) -> Report:
     """Decide the report and write it, the per-module figures and what ``gputrain replay`` needs (rank 0)."""
     report = decide(findings, outcome, step=step, epoch=epoch, precision=precision, data_parallel=data_parallel,
-                    sample_names=names)
+                    sample_names=names, float32_modules=float32_modules)
     bundle.mkdir(parents=True, exist_ok=True)
     (bundle / "stats.json").write_text(json.dumps(stats_of(findings), indent=1) + "\n")
-    record = {"report": dataclasses.asdict(report), "step": step, "epoch": epoch, "precision": precision,
-              "data_parallel": data_parallel, "sample_files": names, **meta,
-              "outcome": dataclasses.asdict(outcome)}
-    (bundle / "report.json").write_text(json.dumps(record, indent=1) + "\n")
+    # Strict JSON (no NaN), and the epoch counted from 1 as the report's line counts it.
+    record = {"report": dataclasses.asdict(report), "step": step, "epoch": epoch + 1, "precision": precision,
+              "data_parallel": data_parallel, "sample_files": names, "fp32_modules": float32_modules, **meta,
+              "outcome": {k: finite_or_none(v) if isinstance(v, float) else v
+                          for k, v in dataclasses.asdict(outcome).items()}}
+    (bundle / "report.json").write_text(json.dumps(record, indent=1, allow_nan=False) + "\n")
     (bundle / "report.txt").write_text(report.line + "\n")
     return report

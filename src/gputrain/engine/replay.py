@@ -35,6 +35,8 @@ class Findings:
     bad_samples: list[list[int]] = field(default_factory=list)
     """Samples whose input (or floating target) holds NaN/inf."""
     forward: dict[str, Any] | None = None
+    beyond: dict[str, Any] | None = None
+    """Before ``forward``: the first float32 output beyond float16's range, which the next float16 op overflowed on."""
     backward: dict[str, Any] | None = None
     loss_finite: bool = True
     loss_gradient: str = ""
@@ -110,6 +112,7 @@ def record_pass(found: Findings, watch: Watch, loss_finite: bool, *, float32: bo
         found.outputs_float32, found.gradients_float32 = watch.outputs, watch.gradients
         return
     found.forward = asdict(watch.forward) if watch.forward else None
+    found.beyond = asdict(watch.beyond) if watch.beyond and watch.forward else None
     found.backward = asdict(watch.backward) if watch.backward else None
     found.loss_finite = loss_finite
     found.loss_gradient = watch.first_bad_output_gradient if watch.backward is None else ""

@@ -149,6 +149,9 @@ class Trainer(BuiltRun):
             self.resumed = True
         elif loop.strategy.name != "pipeline":
             self._first_weights = forensics.StateCopy(loop, on_host=True)
+        # A run shorter than the limit of skipped steps in a row, whose every step the loss scaler skips, fails too.
+        loop.skips.limit = min(loop.skips.limit, max(1, loop.steps_per_epoch * loop.cfg.trainer.epochs
+                                                     - self.state.global_step))
         self.config_dict = to_dict(loop.cfg)
         from gputrain.engine.defaults import default_hooks
 

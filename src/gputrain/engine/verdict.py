@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gputrain.engine.replay import Findings, StepOutcome, event
-from gputrain.nn.watch import Event
+from gputrain.nn.watch import FLOAT16_MAX, Event
 
 
 @dataclass
@@ -52,25 +52,29 @@ def _first(findings: list[Findings], phase: str, data_parallel: bool) -> tuple[E
 
 
 def decide(findings: list[Findings], outcome: StepOutcome, *, step: int, epoch: int, precision: str,
-           data_parallel: bool, sample_names: dict[str, str]) -> Report:
-    """The report of the replayed step ``step`` (a global step count, 1-based) of ``epoch`` (0-based)."""
+           data_parallel: bool, sample_names: dict[str, str], float32_modules: list[str] | None = None) -> Report:
+    """The report of the replayed step ``step`` (a global step count, 1-based) of ``epoch`` (0-based).
+
+    ``float32_modules``: the run's ``trainer.fp32_modules``, which a suggested list keeps."""
     at = f"step {step} (epoch {epoch + 1})"
     float32_ok = all(f.float32_finite for f in findings)
     in_16 = "mixed" in precision
     for found in findings:
         if found.bad_samples:
+            named = any(str(key[1] if len(key) > 1 else key[0]) in sample_names for key in found.bad_samples)
+            what = "that sample's file" if named else "that sample (by its index in the dataset)"
             return Report(
                 f"replay of {at}: sample {_samples(found.bad_samples, sample_names)} on rank {found.rank} holds NaN/inf "
-                f"in its input or target; fix: inspect or replace that sample's file (the data, not the model, is "
-                "non-finite)", "data", found.rank, samples=found.bad_samples, float32_fixes=False,
-                fix="inspect the sample's file")
+                f"in its input or target; fix: inspect or replace {what} (the data, not the model, is non-finite)",
+                "data", found.rank, samples=found.bad_samples, float32_fixes=False, fix=f"inspect {what}")
     for phase in ("forward", "backward"):
         hit = _first(findings, phase, data_parallel)
         if hit is None:
             continue
         bad, found = hit
         if float32_ok:
-            fix = (f"trainer.fp32_modules=[{bad.module}] (or --precision bf16-mixed)" if in_16
+            keep = [m for m in float32_modules or [] if m != bad.module]
+            fix = (f"trainer.fp32_modules=[{','.join([*keep, bad.module])}] (or --precision bf16-mixed)" if in_16
                    else "lower optim.lr or set trainer.grad_clip_norm")
             verdict = "float32 makes the step finite"
         elif phase == "backward":
@@ -80,8 +84,11 @@ def decide(findings: list[Findings], outcome: StepOutcome, *, step: int, epoch: 
         else:
             fix = "lower optim.lr or set trainer.grad_clip_norm (the activations have grown beyond float32)"
             verdict = "float32 does not make it finite, so precision is not the cause"
+        source = event(found.beyond) if phase == "forward" else None
+        after = (f", from values up to {source.value:.3g} out of {source.module} ({source.kind}), beyond float16's "
+                 f"{FLOAT16_MAX:.0f}" if source else "")
         return Report(
-            f"replay of {at} at precision {precision}: the first non-finite value is in {bad.describe()}, on rank "
+            f"replay of {at} at precision {precision}: the first non-finite value is in {bad.describe()}{after}, on rank "
             f"{found.rank} (samples {_samples(found.samples, sample_names)}); {verdict}; fix: {fix}",
             phase, found.rank, bad.module, found.samples, float32_ok, fix)
     bad_loss = [f for f in findings if not f.loss_finite]

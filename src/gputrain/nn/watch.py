@@ -5,9 +5,9 @@ that never fails never sees these hooks.
 
 The forward: a forward hook per module takes the largest |output| (one reduction: a NaN or inf anywhere makes it
 NaN or inf). Forward hooks fire as each module's forward ends, children before their parent, so the first module
-whose output is bad, in firing order, is the innermost one where the values went wrong. Under a float16 precision an
-output beyond float16's largest value counts too: a float32 module (BatchNorm under autocast, a module of
-``trainer.fp32_modules``) hands it to the next float16 op as inf.
+whose output is NaN/inf, in firing order, is the innermost one where the values went wrong. Under a float16 precision
+the first output beyond float16's largest value before it is kept too: a float32 module (BatchNorm under autocast, a
+module of ``trainer.fp32_modules``) hands such values to the next float16 op, which overflows.
 
 The backward: tensor hooks, not module backward hooks, which refuse a module whose output is changed in place
 afterwards (ResNet's ``out += identity``, an in-place ReLU); a tensor hook registered before an in-place change
@@ -96,6 +96,10 @@ class Watch:
         self.gradients: dict[str, float] = {}
         """Each module's largest |input gradient| over the replay."""
         self.forward: Event | None = None
+        """The first module whose output became NaN/inf."""
+        self.beyond: Event | None = None
+        """Under float16: the first module, before :attr:`forward`, whose (float32) output went beyond float16's
+        range: the values the next float16 op overflowed on."""
         self._out_bad: set[str] = set()
         self.first_bad_output_gradient = ""
         """The first module whose output's gradient arrived NaN/inf (the loss's backward made it, if no module did)."""
@@ -115,8 +119,6 @@ class Watch:
             handle.remove()
         self._handles.clear()
 
-    def _bad(self, value: float) -> bool:
-        return not math.isfinite(value) or (self.float16 and value > FLOAT16_MAX)
 
     def _before(self, name: str, module: nn.Module) -> Any:
         def hook(_module: nn.Module, args: Any) -> None:
@@ -130,8 +132,10 @@ class Watch:
             peak = largest(output)
             self.outputs[name] = peak if not math.isfinite(peak) else max(self.outputs.get(name, 0.0), peak)
             self._fired[0] += 1
-            if self.forward is None and self._bad(peak):
+            if self.forward is None and not math.isfinite(peak):
                 self.forward = Event(name, type(module).__name__, "forward", peak, self._fired[0])
+            elif self.forward is None and self.beyond is None and self.float16 and peak > FLOAT16_MAX:
+                self.beyond = Event(name, type(module).__name__, "forward", peak, self._fired[0])
             for t in _tensors(output):
                 if t.requires_grad and t.is_floating_point():
                     t.register_hook(lambda g: self._output_gradient(name, g))

@@ -120,11 +120,18 @@ def sample_pictures(task: Any, model: nn.Module, val_data: Dataset, count: int, 
     for i in sorted({k * n // count for k in range(count)}) if count > 0 else []:
         # One image a forward: validation images may differ in size, and eval mode makes it the same.
         inputs, targets = task.split_batch(collate([val_data[i]]))
+        if not _is_image(inputs[0]):  # a vector, a sequence: nothing samples.png could draw
+            return []
         with torch.no_grad(), (forward_context() if forward_context else contextlib.nullcontext()):
             outputs = model([x.to(device) for x in inputs]) if task.targets_to_model else model(inputs.to(device))
         pictures.append(task.draw(task.display(inputs[0]), task.prediction(_one(outputs, 0), _size(inputs[0])),
                                   _one(targets, 0)))
     return pictures
+
+
+def _is_image(x: Any) -> bool:
+    """An image the tasks draw: a (C, H, W) tensor of 1 to 4 channels."""
+    return isinstance(x, torch.Tensor) and x.dim() == 3 and 1 <= int(x.shape[0]) <= 4
 
 
 def _size(image: torch.Tensor) -> tuple[int, int]:

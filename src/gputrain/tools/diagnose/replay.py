@@ -30,6 +30,9 @@ from gputrain.tasks.base import Task
 
 def _bundle(path: str | Path) -> Path:
     bundle = Path(path)
+    if not bundle.is_dir():
+        raise ValueError(f"{bundle} does not exist; give the nonfinite/ folder a run wrote when it went non-finite, "
+                         "e.g. runs/latest/nonfinite")
     if (bundle / BUNDLE / "report.json").is_file():  # the run folder was given
         bundle = bundle / BUNDLE
     missing = [name for name in ("report.json", "state.pt") if not (bundle / name).is_file()]
@@ -86,6 +89,10 @@ def replay_bundle(path: str | Path, *, model: nn.Module | None = None, task: Tas
     restore(loop.parts, state, str(bundle / "state.pt"))
     ranks = int(record.get("world_size", 1))
     dp = int(record.get("dp_size", ranks))
+    missing = [f"rank{r}.pt" for r in range(ranks) if not (bundle / f"rank{r}.pt").is_file()]
+    if missing:
+        raise ValueError(f"{bundle} lacks {', '.join(missing)} of its {ranks} rank(s)' micro-batches (copied in part?); "
+                         "copy the whole nonfinite/ folder the run wrote")
     micros = [loaded_micro_batches(torch.load(bundle / f"rank{r}.pt", weights_only=True), loop.strategy.root_device)
               for r in range(ranks)]
     findings = [Findings(r, samples=[list(key) for _, keys in micros[r] for key in keys],
@@ -106,9 +113,9 @@ def replay_bundle(path: str | Path, *, model: nn.Module | None = None, task: Tas
                                      float16=False, weight_scale=1.0 / dp)
         record_pass(found, watch, finite, float32=True)
         before.restore(loop)
-    return decide(findings, outcome, step=int(record["step"]), epoch=int(record["epoch"]),
+    return decide(findings, outcome, step=int(record["step"]), epoch=int(record["epoch"]) - 1,
                   precision=str(record["precision"]), data_parallel=bool(record["data_parallel"]),
-                  sample_names=record.get("sample_files") or {})
+                  sample_names=record.get("sample_files") or {}, float32_modules=list(cfg.trainer.fp32_modules))
 
 
 def run_replay(path: str | Path, *, device: str = "cpu") -> int:
