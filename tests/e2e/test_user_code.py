@@ -85,7 +85,11 @@ def test_multinode_arguments_pass_through_to_torchrun():
     args = torchrun_args(LaunchSpec(nproc_per_node=4, nnodes=2, node_rank=1, rdzv_endpoint="10.0.0.1:29400"),
                          ["prog"])
     assert args == ["--nproc-per-node=4", "--max-restarts=0", "--nnodes=2", "--node-rank=1", "--rdzv-backend=c10d",
-                    "--rdzv-endpoint=10.0.0.1:29400", "--rdzv-id=gputrain", "prog"]
+                    "--rdzv-endpoint=10.0.0.1:29400", "--rdzv-id=gputrain",
+                    "--rdzv-conf=join_timeout=600,last_call_timeout=30", "prog"]
+    elastic = torchrun_args(LaunchSpec(nproc_per_node=1, nnodes=1, max_nodes=3, rdzv_endpoint="h:1",
+                                       join_timeout_s=20, last_call_s=2), ["prog"])
+    assert "--nnodes=1:3" in elastic and "--rdzv-conf=join_timeout=20,last_call_timeout=2" in elastic
     assert "--standalone" in torchrun_args(LaunchSpec(nproc_per_node=2), [])
     with pytest.raises(ValueError, match="--nnodes 2 needs --rdzv-endpoint"):
         torchrun_args(LaunchSpec(nnodes=2), [])

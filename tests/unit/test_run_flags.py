@@ -99,3 +99,22 @@ def test_the_help_lists_every_command(capsys):
     names = {line.split()[0] for line in listed.splitlines() if line.startswith("  ") and not line.startswith("   ")}
     assert names == {"train", "eval", "export", "predict", "report", "replay", "data", "bench", "parity", "doctor",
                      "plan", "env"}
+
+
+def test_nnodes_min_max_makes_an_elastic_job_and_bad_ranges_are_refused_in_one_line(capsys):
+    """Issue 45: ``--nnodes MIN:MAX`` sets both fields; a range that cannot be is refused before anything starts."""
+    from gputrain.cli.commands import _overrides
+    from gputrain.config import load_config
+
+    args = parse_args(["train", "autoencoder", "--nnodes", "1:3", "--rdzv-endpoint", "h:1"])
+    assert {"launch.nnodes=1", "launch.max_nodes=3"} <= set(_overrides(args))
+    assert {"launch.nnodes=2", "launch.max_nodes=0"} <= set(_overrides(parse_args(["train", "autoencoder",
+                                                                                    "--nnodes", "2"])))
+    for bad, why in (("3:1", "MAX must be at least MIN"), ("1:2:3", "is no node count"), ("0", "is no node count")):
+        with pytest.raises(SystemExit):
+            parse_args(["train", "autoencoder", "--nnodes", bad])
+        assert why in capsys.readouterr().err
+    with pytest.raises(ValueError, match="splits the model over a fixed number of processes"):
+        load_config(None, ["launch.nnodes=1", "launch.max_nodes=2", "trainer.strategy=pipeline"])
+    with pytest.raises(ValueError, match=r"launch.node_rank=2 must be in \[0, launch.max_nodes=2\)"):
+        load_config(None, ["launch.nnodes=1", "launch.max_nodes=2", "launch.node_rank=2"])

@@ -18,7 +18,7 @@ from typing import Any
 
 from gputrain.cli import preflight
 from gputrain.cli.parser import COMMON_FLAGS
-from gputrain.cli.run_flags import CONFIG_FIELD
+from gputrain.cli.run_flags import CONFIG_FIELD, field_overrides
 from gputrain.config import RunConfig, load_config
 from gputrain.errors import EXIT_OK
 
@@ -37,8 +37,8 @@ def is_worker() -> bool:
 
 
 def _overrides(args: argparse.Namespace, skip: Sequence[str] = ()) -> list[str]:
-    flags = [f"{key}={getattr(args, name)}" for name, key in TRAIN_FLAGS.items()
-             if name not in skip and getattr(args, name, None) is not None]
+    flags = [item for name, key in TRAIN_FLAGS.items() if name not in skip and getattr(args, name, None) is not None
+             for item in field_overrides(name, key, getattr(args, name))]
     return flags + list(args.overrides)
 
 
@@ -105,6 +105,12 @@ def cmd_train(args: argparse.Namespace, argv: Sequence[str]) -> int:
     cfg, extra = _prepare(cfg, args)
     extra = [*planned, *extra]
     t = cfg.trainer
+    if cfg.launch.max_nodes > cfg.launch.nnodes and not t.resume:  # each node continues the run in the shared --out
+        if not t.out:
+            raise ValueError(f"--nnodes {cfg.launch.nnodes}:{cfg.launch.max_nodes} needs --out, the run folder every "
+                             "node of the job shares (on storage each node can read)")
+        t.resume = "auto"
+        extra.append("trainer.resume=auto")
     if not t.out and t.resume == "auto":
         raise ValueError("--resume auto continues a run folder: name it with --out (e.g. --out runs/latest)")
     if t.out:

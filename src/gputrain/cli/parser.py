@@ -62,7 +62,7 @@ def check_flags(args: argparse.Namespace) -> None:
     for name, low in MINIMUM.items():
         values = getattr(args, name, None)
         for value in values if isinstance(values, list) else [values]:
-            if value is not None and value < low:
+            if isinstance(value, int) and value < low:  # --nnodes MIN:MAX is checked by its own type
                 raise ValueError(f"--{name.replace('_', '-')} {value}: must be at least {low}")
 
 

@@ -62,6 +62,22 @@ REFUSED: dict[str, dict[str, str]] = {
 """For each command that takes a recipe (train refuses none): the run flags it refuses, and why."""
 
 
+def nodes(text: str) -> str:
+    """``--nnodes``: a count, or ``MIN:MAX`` for a job whose nodes may leave and join (torchrun's form)."""
+    parts = text.split(":")
+    if len(parts) > 2 or not all(p.strip().isdigit() and int(p) >= 1 for p in parts):
+        raise argparse.ArgumentTypeError(f"{text!r} is no node count: give N, or MIN:MAX for an elastic job (1:4)")
+    if len(parts) == 2 and int(parts[1]) < int(parts[0]):
+        raise argparse.ArgumentTypeError(f"{text!r}: MAX must be at least MIN")
+    return text.strip()
+
+
+def node_overrides(value: str) -> list[str]:
+    """The config fields ``--nnodes`` sets: ``launch.nnodes``, and ``launch.max_nodes`` for ``MIN:MAX``."""
+    low, _, high = str(value).partition(":")
+    return [f"launch.nnodes={int(low)}", f"launch.max_nodes={int(high) if high else 0}"]
+
+
 DEFINITIONS: list[tuple[str, tuple[str, ...], dict[str, Any]]] = [
     ("devices", ("--devices",), {"type": int, "help": "processes on this node (one per GPU; ddp)"}),
     ("strategy", ("--strategy",), {"help": "single, ddp, dp, ... (trainer.strategy); train: auto plans first "
@@ -78,7 +94,8 @@ DEFINITIONS: list[tuple[str, tuple[str, ...], dict[str, Any]]] = [
                                  "a non-empty one needs --resume auto or --overwrite"}),
     ("overwrite", ("--overwrite",), {"action": "store_const", "const": True, "default": None,
                                      "help": "delete the contents of a non-empty --out run folder first"}),
-    ("nnodes", ("--nnodes",), {"type": int, "help": "nodes in the job (torchrun rendezvous)"}),
+    ("nnodes", ("--nnodes",), {"type": nodes, "help": "nodes in the job, or MIN:MAX for an elastic one (torchrun "
+                                                     "rendezvous)"}),
     ("node_rank", ("--node-rank",), {"type": int}),
     ("rdzv_endpoint", ("--rdzv-endpoint",), {"help": "HOST:PORT of the c10d rendezvous for multi-node jobs"}),
     ("epochs", ("--epochs",), {"type": int, "help": "epochs to train (trainer.epochs)"}),
@@ -119,6 +136,11 @@ def flag_overrides(args: argparse.Namespace) -> list[str]:
     it defines itself, those it refuses and the common ones (``--data-root``, ``--accelerator``: the parser's
     ``common_overrides``, for every command) excepted."""
     own, refused = getattr(args, "own_run_flags", ()), REFUSED.get(getattr(args, "run_flags_of", "") or "", {})
-    return [f"{key}={getattr(args, dest)}" for dest, key in CONFIG_FIELD.items()
+    return [item for dest, key in CONFIG_FIELD.items()
             if dest not in ("data_root", "accelerator") and dest not in own and dest not in refused
-            and getattr(args, dest, None) is not None]
+            and getattr(args, dest, None) is not None for item in field_overrides(dest, key, getattr(args, dest))]
+
+
+def field_overrides(dest: str, key: str, value: Any) -> list[str]:
+    """The overrides one run flag's value stands for (``--nnodes 1:2`` sets two fields)."""
+    return node_overrides(value) if dest == "nnodes" else [f"{key}={value}"]

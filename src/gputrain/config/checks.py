@@ -116,6 +116,7 @@ RANGES: dict[str, Range] = {
     "trainer.log_every_n_steps": COUNT_OR_OFF,
     "trainer.checkpoint_every_n_epochs": COUNT_OR_OFF,
     "trainer.checkpoint_every_n_steps": COUNT_OR_OFF,
+    "trainer.checkpoint_every_n_minutes": Range(ge=0, le=10**6, example="30 saves every half hour"),
     "trainer.keep_last": Range(ge=2, le=10**6),  # the newest may be the one a crash cut short
     "trainer.eval_every_n_epochs": COUNT_OR_OFF,
     "trainer.dp_device_ids": DEVICE_INDEX,

@@ -211,6 +211,8 @@ class TrainerConfig:
     """Write ``epoch_NNNN.pt`` every n epochs; ``last.pt`` is written every epoch. 0 writes only last.pt."""
     checkpoint_every_n_steps: int = 0
     """Also checkpoint mid-epoch every n optimizer steps (exact resume from the middle of an epoch); 0: off."""
+    checkpoint_every_n_minutes: float = 0.0
+    """Also checkpoint mid-epoch when this many minutes passed since the last save, at a step the ranks agree on."""
     keep_last: int = 3
     """Numbered checkpoints (epoch_/step_) kept besides last.pt and best.pt; at least 2, the newest may be mid-write."""
     monitor: str = ""
@@ -277,18 +279,14 @@ class TrainerConfig:
 class LaunchConfig:
     """Multi-node arguments, passed through to torchrun's rendezvous."""
 
-    nnodes: int = 1
-    """Nodes in the job; with ``max_nodes`` the fewest an elastic job runs on (``--nnodes MIN:MAX``)."""
+    nnodes: int = 1  # the fewest nodes of an elastic job (--nnodes MIN:MAX), whose most are max_nodes (0: nnodes)
     max_nodes: int = 0
-    """The most nodes an elastic job takes in (0: ``nnodes``, a fixed size); nodes may leave and join between them."""
     node_rank: int = 0
     rdzv_endpoint: str = ""
     rdzv_id: str = "gputrain"
     max_restarts: int = 0
-    join_timeout_s: int = 600
-    """Seconds the rendezvous waits for ``nnodes`` nodes before the job ends in one line (torchrun's default)."""
-    last_call_s: int = 30
-    """Seconds an elastic rendezvous waits for more nodes once ``nnodes`` have joined (torchrun's default)."""
+    join_timeout_s: int = 600  # waiting for nnodes nodes, then one line (torchrun's join_timeout)
+    last_call_s: int = 30  # waiting for more nodes once nnodes have joined (torchrun's last_call_timeout)
 
 
 @dataclass(kw_only=True)

@@ -43,6 +43,8 @@ class StopRequest:
         """Steps between two agreements (several ranks); set once, from the pace of the first steps."""
         self._calls = 0
         self._first_call = 0.0
+        self.save_due = False
+        """Set by :meth:`agreed`: some rank found a time-based checkpoint due, so every rank saves after this step."""
 
     def __enter__(self) -> StopRequest:
         if threading.current_thread() is not threading.main_thread():
@@ -68,7 +70,7 @@ class StopRequest:
             self._first_at = now
         self.received = max(self.received, signum)
 
-    def agreed(self, *, now: bool = False) -> int:
+    def agreed(self, *, now: bool = False, due: bool = False) -> int:
         """The signal every rank stops for (0: keep going); a collective, called by all ranks each step.
 
         With several ranks the ranks agree every :attr:`every` calls, a count they agree on after
@@ -77,8 +79,13 @@ class StopRequest:
         for an evaluation. Why not every step: even started asynchronously, a gloo all-reduce per step
         needs both ranks' communication threads scheduled beside the training threads, and cost 8 % of a
         20 ms autoencoder step on 2 CPU ranks (benchmarks/peers.py, docs/benchmarks.md).
+
+        ``due``: this rank finds a time-based checkpoint due (``trainer.checkpoint_every_n_minutes``); the agreement
+        carries it too, and :attr:`save_due` says whether any rank did, the same on every rank.
         """
+        self.save_due = False
         if self.world_size == 1 or not dist.is_initialized():
+            self.save_due = due
             return self.received
         self._calls += 1
         if self._calls == 1:
@@ -88,9 +95,9 @@ class StopRequest:
             return 0
         # Each rank's seconds per step since its first call: the slowest rank sets the pace for all.
         pace = (time.monotonic() - self._first_call) / (PROBE_STEPS - 1) if probe else 0.0
-        agreed = torch.tensor([float(self.received), pace], dtype=torch.float64)
+        agreed = torch.tensor([float(self.received), pace, float(due)], dtype=torch.float64)
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self._group)
-        signum, slowest = int(agreed[0]), float(agreed[1])
+        signum, slowest, self.save_due = int(agreed[0]), float(agreed[1]), bool(agreed[2])
         if probe:  # every rank computes the same interval from the same reduced value
             self.every = max(1, min(MAX_EVERY, math.ceil(AGREE_EVERY_S / max(slowest, 1e-9))))
         return signum

@@ -18,7 +18,8 @@ if TYPE_CHECKING:
 
 def build_context(loop: Loop, *, config_dict: dict[str, Any], out: Path, resumed: bool,
                   progress: Callable[[], TrainState],
-                  save: Callable[[str, dict[str, float] | None], Path | None]) -> RunContext:
+                  save: Callable[[str, dict[str, float] | None], Path | None],
+                  saved_at: Callable[[], float | None] = lambda: None) -> RunContext:
     """What hooks see of ``loop``: values read from it; the train state and saving through the trainer's calls."""
     group = loop.optimizer.param_groups[0] if loop.optimizer is not None else {"lr": loop.cfg.optim.lr}
     checkpointer = loop.checkpointer
@@ -33,6 +34,7 @@ def build_context(loop: Loop, *, config_dict: dict[str, Any], out: Path, resumed
         _pictures=lambda count: sample_pictures(loop, count),
         _train_indices=lambda limit: _first_batches(loop, limit),
         _eval_indices=lambda: _eval_indices(loop),
+        _saved_at=saved_at if checkpointer is not None else lambda: None,
     )
 
 

@@ -9,6 +9,7 @@ do is what the view offers. Every rank calls every method; rank-0-only work chec
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,8 +54,16 @@ class RunContext:
     _pictures: Callable[[int], list[Any] | None]
     _train_indices: Callable[[int], list[int]]
     _eval_indices: Callable[[], tuple[list[int], int] | None]
+    _saved_at: Callable[[], float | None] = lambda: None  # noqa: E731  (a run without checkpoints saves nothing)
     data_waits: list[float] = field(default_factory=list)
     """Seconds the last optimizer step waited for each of its batches (refilled by the engine every step)."""
+
+    @property
+    def seconds_since_checkpoint(self) -> float | None:
+        """Seconds since this process last handed a checkpoint over (since the start before the first); None when
+        the run writes none."""
+        saved = self._saved_at()
+        return None if saved is None else time.monotonic() - saved
 
     @property
     def state(self) -> TrainState:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -20,8 +21,9 @@ from torch import nn
 
 from gputrain.config.load import to_yaml
 from gputrain.config.schema import RunConfig
-from gputrain.dist import DistInfo, comm
+from gputrain.dist import DistInfo, comm, restart_attempt
 from gputrain.runs import folder as run_folder
+from gputrain.runs import membership
 from gputrain.runs.records import strict_json
 
 if TYPE_CHECKING:
@@ -155,8 +157,26 @@ def write_summary(loop: Loop, out: Path, state: TrainState, metrics: dict[str, f
         "first_step_s": loop.first_step_s,
     }
     if loop.dist.is_main:
+        summary |= membership.counts(out / "metrics.jsonl")  # an elastic job's restarts (issue 45)
         (out / "summary.json").write_text(strict_json(summary, indent=2))
     return summary
+
+
+def record_membership(loop: Loop, out: Path, resume: dict[str, Any], state: TrainState) -> None:
+    """After torchrun restarted the workers (an elastic job's every resume), or SLURM requeued the job: one record in
+    ``metrics.jsonl`` and one line saying what changed and what it cost (rank 0). A resume by hand is none."""
+    before, after = int(resume.get("world_size") or 0), loop.dist.world_size
+    requeued = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
+    elastic = loop.cfg.launch.max_nodes > loop.cfg.launch.nnodes  # a node that joins restarts the workers: count 0
+    if not loop.dist.is_main or (restart_attempt() == 0 and requeued == 0 and not elastic):
+        return
+    record = membership.change_record(metrics=out / "metrics.jsonl", checkpoint=Path(resume["_path"]),
+                                      step=state.global_step, epoch=state.epoch, before=before, after=after,
+                                      global_batch=loop.global_batch)
+    membership.append(out / "metrics.jsonl", record)
+    print(f"gputrain: the job went from {before} to {after} process(es) and resumed at step {state.global_step}: "
+          f"{record['seconds_lost']:.0f} s since that checkpoint, {record['samples_retrained']} sample(s) trained again",
+          flush=True)
 
 
 def peak_memory_bytes(device: torch.device) -> int:

@@ -73,6 +73,8 @@ class Trainer(BuiltRun):
         """The loss sums of a partly trained epoch, from the checkpoint this run resumed from."""
         self._fresh_out: tuple[Path, bool] | None = None
         self._monitor_checked = False
+        self.saved_at = time.monotonic()
+        """When this process last handed a checkpoint over (or started): ``trainer.checkpoint_every_n_minutes``."""
         self._first_weights: forensics.StateCopy | None = None
         """A fresh run's starting state on the host, until its first checkpoint: where a replay of a non-finite step
         starts when no checkpoint precedes it (issue 41)."""
@@ -147,6 +149,7 @@ class Trainer(BuiltRun):
         if resume is not None:
             self.state, self.carried_loss = setup.restore_training(loop, resume)
             self.resumed = True
+            record.record_membership(loop, out, resume, self.state)
         elif loop.strategy.name != "pipeline":
             self._first_weights = forensics.StateCopy(loop, on_host=True)
         # A run shorter than the limit of skipped steps in a row, whose every step the loss scaler skips, fails too.
@@ -157,6 +160,7 @@ class Trainer(BuiltRun):
 
         self.hooks = default_hooks(loop.cfg) + self.extra_hooks
         self.ctx: RunContext = self._context(loop)
+        self.saved_at = time.monotonic()  # the minutes of trainer.checkpoint_every_n_minutes count from here
         return loop
 
     def _fit_epochs(self, loop: setup.Loop) -> dict[str, Any]:
@@ -201,7 +205,8 @@ class Trainer(BuiltRun):
         """After each step and its hooks: stop on an agreed signal, checkpoint every n steps."""
         assert self.loop is not None
         t, loop = self.cfg.trainer, self.loop
-        signum = self.stop.agreed(now=self.state.step_in_epoch >= loop.steps_per_epoch)
+        due = bool(t.checkpoint_every_n_minutes) and time.monotonic() - self.saved_at >= 60 * t.checkpoint_every_n_minutes
+        signum = self.stop.agreed(now=self.state.step_in_epoch >= loop.steps_per_epoch, due=due)
         if signum:
             saved = self.save(f"step_{self.state.global_step:06d}", wait=True) if loop.checkpointer else None
             where = f"checkpoint {saved}" if saved else "no checkpoint (trainer.enable_checkpointing=false)"
@@ -209,9 +214,9 @@ class Trainer(BuiltRun):
             if self.dist.is_main:
                 print(message, flush=True)
             raise Interrupted(signum, message)
-        if t.checkpoint_every_n_steps and self.state.global_step % t.checkpoint_every_n_steps == 0 \
-                and self.state.step_in_epoch < loop.steps_per_epoch:
-            self.save(f"step_{self.state.global_step:06d}")
+        every_n = t.checkpoint_every_n_steps and self.state.global_step % t.checkpoint_every_n_steps == 0
+        if (every_n or self.stop.save_due) and self.state.step_in_epoch < loop.steps_per_epoch:
+            self.save(f"step_{self.state.global_step:06d}")  # the epoch's last step has its epoch checkpoint
 
     def save(self, name: str, metrics: dict[str, float] | None = None, *, wait: bool = False) -> Path | None:
         """Write checkpoint ``name`` (a collective: every rank calls it); None when checkpointing is off."""
@@ -225,7 +230,9 @@ class Trainer(BuiltRun):
                  "loss_window": window.carry() if window is not None else {}}
         if loop.ema is not None:  # a collective: a full checkpoint gathers the EMA as it gathers the model
             extra["ema"] = loop.ema.checkpoint_entry(sharded=loop.checkpointer.sharded)
-        return loop.checkpointer.save(loop.parts, extra, self.state, name, metrics, wait=wait)
+        saved = loop.checkpointer.save(loop.parts, extra, self.state, name, metrics, wait=wait)
+        self.saved_at = time.monotonic()
+        return saved
 
     def _resume_command(self) -> str:
         if self.resume_command is not None:
@@ -278,7 +285,8 @@ class Trainer(BuiltRun):
 
     def _context(self, loop: setup.Loop) -> RunContext:
         return build_context(loop, config_dict=self.config_dict, out=self.out, resumed=self.resumed,
-                             progress=lambda: self.state, save=lambda name, metrics: self.save(name, metrics))
+                             progress=lambda: self.state, save=lambda name, metrics: self.save(name, metrics),
+                             saved_at=lambda: self.saved_at)
 
     def _call(self, event: str, *args: Any) -> None:
         for hook in self.hooks:

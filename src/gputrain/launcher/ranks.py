@@ -92,7 +92,7 @@ def run_command(spec: LaunchSpec, module: str, module_args: Sequence[str]) -> in
             return run_direct(spec.nproc_per_node, module, module_args)
         from torch.distributed.elastic.multiprocessing.api import SignalException
         from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-        from torch.distributed.elastic.rendezvous import RendezvousError
+        from torch.distributed.elastic.rendezvous import RendezvousError, RendezvousTimeoutError
 
         try:
             run_torchrun(spec, module, module_args)
@@ -100,6 +100,13 @@ def run_command(spec: LaunchSpec, module: str, module_args: Sequence[str]) -> in
             return exit_code_for_signal(err.sigval)
         except ChildFailedError as err:
             return report_failure(err.failures)
+        except RendezvousTimeoutError:
+            # Fewer nodes than the job needs met within the timeout: it cannot start, or continue after a node left.
+            print(f"gputrain: error: fewer than {spec.nnodes} node(s) met at the rendezvous {spec.rdzv_endpoint} within "
+                  f"launch.join_timeout_s={spec.join_timeout_s} s, so the job cannot start, or go on after a node left; "
+                  f"start the missing node(s) with the same command (--nnodes {spec.nodes_text}), or allow fewer "
+                  f"with --nnodes MIN:MAX", file=sys.stderr, flush=True)
+            return EXIT_FAILED
         except RendezvousError as err:
             # torchrun's agent raises these to the top when the node hosting the rendezvous store ends or fails
             # first (its output has the cause), or when the nodes never meet: one line, not the agent's traceback.

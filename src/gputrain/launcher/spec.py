@@ -40,7 +40,9 @@ class LaunchSpec:
     nproc_per_node: int = 1
     """Worker processes on this node (what the strategy says ``--devices`` means)."""
     nnodes: int = 1
-    """Nodes in the job; above 1 a rendezvous endpoint is required."""
+    """Nodes in the job (the fewest, for an elastic one); above 1 a rendezvous endpoint is required."""
+    max_nodes: int = 0
+    """The most nodes of an elastic job (0: ``nnodes``, a fixed size)."""
     node_rank: int = 0
     """This node's index (static rendezvous); ignored by c10d rendezvous."""
     rdzv_endpoint: str = ""
@@ -49,6 +51,10 @@ class LaunchSpec:
     """Job id shared by all nodes of one job."""
     max_restarts: int = 0
     """Elastic restarts of the worker group after a failure."""
+    join_timeout_s: int = 600
+    """Seconds the rendezvous waits for ``nnodes`` nodes."""
+    last_call_s: int = 30
+    """Seconds an elastic rendezvous waits for more nodes once ``nnodes`` have joined."""
 
     @classmethod
     def from_config(cls, cfg: RunConfig) -> LaunchSpec:
@@ -57,18 +63,28 @@ class LaunchSpec:
 
         nproc = processes_per_node(cfg.trainer.strategy, cfg.trainer.devices)
         launch = cfg.launch
-        return cls(nproc_per_node=nproc, nnodes=launch.nnodes, node_rank=launch.node_rank,
-                   rdzv_endpoint=launch.rdzv_endpoint, rdzv_id=launch.rdzv_id, max_restarts=launch.max_restarts)
+        return cls(nproc_per_node=nproc, nnodes=launch.nnodes, max_nodes=launch.max_nodes, node_rank=launch.node_rank,
+                   rdzv_endpoint=launch.rdzv_endpoint, rdzv_id=launch.rdzv_id, max_restarts=launch.max_restarts,
+                   join_timeout_s=launch.join_timeout_s, last_call_s=launch.last_call_s)
+
+    @property
+    def most_nodes(self) -> int:
+        return max(self.nnodes, self.max_nodes)
 
     @property
     def needs_launch(self) -> bool:
         """Whether this process must start workers rather than be one."""
-        return not is_worker() and (self.nproc_per_node > 1 or self.nnodes > 1)
+        return not is_worker() and (self.nproc_per_node > 1 or self.most_nodes > 1)
 
     @property
     def elastic(self) -> bool:
         """Whether the job needs torchrun's elastic agent: several nodes to meet, or restarts after a failure."""
-        return self.nnodes > 1 or self.max_restarts > 0
+        return self.most_nodes > 1 or self.max_restarts > 0
+
+    @property
+    def nodes_text(self) -> str:
+        """``N``, or ``MIN:MAX`` for an elastic job, as torchrun's --nnodes takes it."""
+        return f"{self.nnodes}:{self.max_nodes}" if self.max_nodes > self.nnodes else str(self.nnodes)
 
 
 def free_port() -> int:
@@ -81,19 +97,20 @@ def free_port() -> int:
 def torchrun_args(spec: LaunchSpec, program: Sequence[str]) -> list[str]:
     """The ``torchrun`` argument list that runs ``program`` (``-m module args...``)."""
     args = [f"--nproc-per-node={spec.nproc_per_node}", f"--max-restarts={spec.max_restarts}"]
-    if spec.nnodes == 1:
+    if spec.most_nodes == 1:
         args.append("--standalone")
     else:
         if not spec.rdzv_endpoint:
             raise ValueError(
-                f"--nnodes {spec.nnodes} needs --rdzv-endpoint HOST:PORT (the address of one node that "
+                f"--nnodes {spec.nodes_text} needs --rdzv-endpoint HOST:PORT (the address of one node that "
                 "every node can reach)"
             )
         args += [
-            f"--nnodes={spec.nnodes}",
+            f"--nnodes={spec.nodes_text}",
             f"--node-rank={spec.node_rank}",
             "--rdzv-backend=c10d",
             f"--rdzv-endpoint={spec.rdzv_endpoint}",
             f"--rdzv-id={spec.rdzv_id}",
+            f"--rdzv-conf=join_timeout={spec.join_timeout_s},last_call_timeout={spec.last_call_s}",
         ]
     return args + list(program)

@@ -63,16 +63,25 @@ def _pyplot(what: str) -> Any:
     return plt
 
 
-def plot_curves(curves: dict[str, tuple[list[int], list[float]]], path: Path, title: str = "") -> Path:
-    """``curves.png``: losses on the left, task metrics on the right (when there are any)."""
+def membership_marks(records: Sequence[dict[str, Any]]) -> list[float]:
+    """Where an elastic job's workers restarted, on the epoch axis: mid-way through the epoch it happened in."""
+    from gputrain.runs.membership import changes
+
+    return [int(r.get("epoch", 0)) + 0.5 for r in changes(list(records))]
+
+
+def plot_curves(curves: dict[str, tuple[list[int], list[float]]], path: Path, title: str = "",
+                marks: Sequence[float] = ()) -> Path:
+    """``curves.png``: losses on the left, task metrics on the right (when there are any); ``marks``: the epochs
+    where an elastic job's membership changed, as dashed lines."""
     plt = _pyplot("curves.png")
-    fig = curves_figure(curves, title)
+    fig = curves_figure(curves, title, marks)
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
 
 
-def curves_figure(curves: dict[str, tuple[list[int], list[float]]], title: str = "") -> Any:
+def curves_figure(curves: dict[str, tuple[list[int], list[float]]], title: str = "", marks: Sequence[float] = ()) -> Any:
     """The matplotlib figure of :func:`plot_curves` (the caller closes it)."""
     plt = _pyplot("curves.png")
     from matplotlib.ticker import MaxNLocator
@@ -87,12 +96,14 @@ def curves_figure(curves: dict[str, tuple[list[int], list[float]]], title: str =
         values = [v for n in names for v in curves[n][1]]
         if label == "loss" and values and min(values) > 0 and max(values) > 20 * min(values):
             ax.set_yscale("log")  # a spike (or a fast first epoch) would flatten the rest to a line
+        for i, x in enumerate(marks):  # an elastic job's restarts (runs/membership.py)
+            ax.axvline(x, color="grey", linestyle="--", linewidth=1, label="nodes changed" if i == 0 else None)
         ax.set_xlabel("epoch")
         # Whole epochs only, also when one epoch leaves a single whole number in view (min_n_ticks=1).
         ax.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
-        if names:
+        if names or marks:
             ax.legend(fontsize=8)
     if title:
         fig.suptitle(title, fontsize=10)

@@ -7,7 +7,14 @@ from pathlib import Path
 import torch
 
 from gputrain.extras import require
-from gputrain.runs.pictures import epoch_curves, plot_curves, read_metrics, sample_pictures, save_samples
+from gputrain.runs.pictures import (
+    epoch_curves,
+    membership_marks,
+    plot_curves,
+    read_metrics,
+    sample_pictures,
+    save_samples,
+)
 
 
 def report_run(run_dir: str | Path, *, samples: int = 8) -> list[Path]:
@@ -17,10 +24,11 @@ def report_run(run_dir: str | Path, *, samples: int = 8) -> list[Path]:
     if not metrics.is_file():
         raise FileNotFoundError(f"{run} has no metrics.jsonl; give the folder of a gputrain run (e.g. runs/latest)")
     require("matplotlib", "gputrain report")
-    curves = epoch_curves(read_metrics(metrics))
+    records = read_metrics(metrics)
+    curves = epoch_curves(records)
     if not curves:
         raise ValueError(f"{metrics} has no epoch records yet; report a run that finished at least one epoch")
-    written = [plot_curves(curves, run / "curves.png", title=run.resolve().name)]
+    written = [plot_curves(curves, run / "curves.png", title=run.resolve().name, marks=membership_marks(records))]
     checkpoint = run / "checkpoints" / "last.pt"
     drawn = _samples_of_checkpoint(checkpoint, run, samples) if samples > 0 and checkpoint.is_file() else None
     written += [drawn] if drawn is not None else []

@@ -37,15 +37,23 @@ class PicturesHook(Hook):
             if ctx.dist.is_main:
                 print(MISSING, flush=True)
             return
-        from gputrain.runs.pictures import epoch_curves, plot_curves, read_metrics, save_samples
+        from gputrain.runs.pictures import (
+            epoch_curves,
+            membership_marks,
+            plot_curves,
+            read_metrics,
+            save_samples,
+        )
 
         pictures = ctx.sample_pictures(ctx.cfg.trainer.pictures)
         if not ctx.dist.is_main:
             return
         try:
-            curves = epoch_curves(read_metrics(ctx.out / "metrics.jsonl"))
+            records = read_metrics(ctx.out / "metrics.jsonl")
+            curves = epoch_curves(records)
             if curves:
-                plot_curves(curves, ctx.out / "curves.png", title=ctx.out.resolve().name)
+                plot_curves(curves, ctx.out / "curves.png", title=ctx.out.resolve().name,
+                            marks=membership_marks(records))
             if pictures:
                 save_samples(pictures, ctx.out / "samples.png")
         except MissingExtra:

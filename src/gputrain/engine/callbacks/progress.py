@@ -40,7 +40,9 @@ class ProgressHook(Hook):
         if self.bar is not None:
             self.bar.update(1)
             if logs and "train/loss" in logs:
-                self.bar.set_postfix(loss=f"{logs['train/loss']:.4g}", refresh=False)
+                since = ctx.seconds_since_checkpoint  # what a node lost now would cost (trainer.checkpoint_every_*)
+                saved = {} if since is None else {"saved": f"{since / 60:.0f}m ago" if since >= 60 else f"{since:.0f}s ago"}
+                self.bar.set_postfix(loss=f"{logs['train/loss']:.4g}", **saved, refresh=False)
 
     def after_epoch(self, ctx: RunContext, metrics: dict[str, float]) -> None:
         if self.bar is not None:

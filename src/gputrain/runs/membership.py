@@ -1,0 +1,58 @@
+"""An elastic job's changes of membership, as ``metrics.jsonl`` records them (issue 45).
+
+When torchrun's agents restart the workers (a node left, a node joined, a worker failed), the new workers resume
+from the newest whole checkpoint, on whatever world size the rendezvous gave them. Rank 0 then appends one record:
+the step it resumed at, the world size before (the checkpoint's) and now, the seconds since that checkpoint was
+written (the work redone plus the time to notice and restart) and the samples trained after it that are trained
+again (from the newest step ``metrics.jsonl`` logged before the restart). ``summary.json`` counts them, and
+``curves.png`` marks each with a line at its epoch.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+EVENT = "membership"
+"""A record's ``event`` when the world size changed; ``restart`` when the workers restarted on the same one."""
+
+
+def _records(metrics: Path) -> list[dict[str, Any]]:
+    records = []
+    if metrics.is_file():
+        for line in metrics.read_text(encoding="utf-8").splitlines():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:  # a line a killed rank left half written
+                continue
+    return records
+
+
+def change_record(*, metrics: Path, checkpoint: Path, step: int, epoch: int, before: int, after: int,
+                  global_batch: int) -> dict[str, Any]:
+    """The record of a resume after a restart: where, what changed, and what it cost."""
+    logged = [int(r["step"]) for r in _records(metrics) if "event" not in r and isinstance(r.get("step"), int)]
+    redone = max(0, max(logged, default=step) - step)
+    now = time.time()
+    return {"time": round(now, 3), "event": EVENT if before != after else "restart", "epoch": epoch, "step": step,
+            "world_size_before": before, "world_size": after,
+            "seconds_lost": round(max(0.0, now - checkpoint.stat().st_mtime), 3),
+            "samples_retrained": redone * global_batch}
+
+
+def append(metrics: Path, record: dict[str, Any]) -> None:
+    with metrics.open("a", encoding="utf-8") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def counts(metrics: Path) -> dict[str, int]:
+    """``summary.json``'s counts: membership changes and restarts on the same world size."""
+    events = [r.get("event") for r in _records(metrics)]
+    return {"membership_changes": events.count(EVENT), "restarts": events.count("restart")}
+
+
+def changes(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The membership and restart records among ``records``, in order."""
+    return [r for r in records if r.get("event") in (EVENT, "restart")]

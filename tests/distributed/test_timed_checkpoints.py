@@ -1,0 +1,65 @@
+"""``trainer.checkpoint_every_n_minutes`` on 2 real gloo ranks, and the record of an elastic restart (issue 45).
+
+A time-based save must happen at the same step on every rank (a save is a collective): rank 0 is made slower than
+rank 1 before each step's check, so their clocks disagree about when the minutes are up; the ranks agree on it with
+the stop agreement's all-reduce and save together. Without the agreement they would each save when their own clock
+said so, and the run would hang in a collective one rank never joins.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from gputrain import Trainer
+from gputrain.engine.hooks import Hook
+from multiproc import run_ranks
+
+
+class SlowRankZero(Hook):
+    def after_step(self, ctx: Any, logs: Any) -> None:
+        if ctx.dist.rank == 0:
+            time.sleep(0.03)
+
+
+def _data() -> TensorDataset:
+    x = torch.randn(64, 4, generator=torch.Generator().manual_seed(0))
+    return TensorDataset(x, x.sum(1, keepdim=True))
+
+
+def _fit(out: str, **options: Any) -> dict[str, Any]:
+    torch.manual_seed(0)
+    return Trainer(out=out, accelerator="cpu", epochs=1, batch_size=2, progress_bar=False, pictures=0, loggers=[],
+                   hooks=[SlowRankZero()], **options).fit(nn.Linear(4, 1), _data(), loss=nn.functional.mse_loss)
+
+
+def _worker(info: Any, root: str) -> list[str]:
+    _fit(str(Path(root) / "run"), strategy="ddp", devices=2, checkpoint_every_n_minutes=0.001, keep_last=100)
+    return sorted(p.name for p in (Path(root) / "run" / "checkpoints").glob("step_*.pt"))
+
+
+def test_time_based_checkpoints_are_saved_at_the_same_steps_on_every_rank(tmp_path):
+    names = run_ranks(_worker, str(tmp_path), timeout_s=30)
+    assert names[0] == names[1] and len(names[0]) >= 3, names  # 0.06 s apart over a 16-step epoch
+
+
+def test_a_restarted_job_records_its_membership_and_the_summary_counts_it(tmp_path, monkeypatch):
+    """A resume after torchrun restarted the workers (TORCHELASTIC_RESTART_COUNT) writes one record; a resume by
+    hand writes none."""
+    out = str(tmp_path / "run")
+    Trainer(out=out, accelerator="cpu", epochs=1, batch_size=8, progress_bar=False, pictures=0,
+            checkpoint_every_n_steps=2, max_steps_per_epoch=4).fit(nn.Linear(4, 1), _data(), loss=nn.functional.mse_loss)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    summary = Trainer(out=out, accelerator="cpu", epochs=2, batch_size=8, progress_bar=False, pictures=0,
+                      resume="auto").fit(nn.Linear(4, 1), _data(), loss=nn.functional.mse_loss)
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    [change] = [r for r in records if r.get("event")]
+    assert (change["event"], change["world_size_before"], change["world_size"], change["step"]) == ("restart", 1, 1, 4)
+    assert change["seconds_lost"] >= 0 and change["samples_retrained"] == 0
+    assert (summary["restarts"], summary["membership_changes"]) == (1, 0)

@@ -1,0 +1,152 @@
+"""An elastic job on this machine: two torchrun agents as two nodes on loopback, started with the same command line and
+the same ``--out`` (as nodes on a shared file system would be), for tests/e2e/test_elastic.py (issue 45).
+
+The task's training set records every sample it serves (process, world size, index) in ``served.txt`` beside the
+data, and reads slowly enough (``SLOW_S`` a sample) that a node can be stopped in the middle of the epoch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+N = 64
+SLOW_S = 0.05
+TESTS = str(Path(__file__).resolve().parent)
+
+
+class Recorded(Dataset):
+    """``N`` fixed random vectors; each read appends ``pid world_size index`` to ``served``."""
+
+    def __init__(self, served: Path) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.randn(N, 8, generator=g)
+        self.served = served
+
+    def __len__(self) -> int:
+        return N
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        time.sleep(SLOW_S)
+        with self.served.open("a") as f:
+            f.write(f"{os.getpid()} {os.environ.get('WORLD_SIZE', '1')} {index}\n")
+        return self.x[index], self.x[index].sum(0, keepdim=True)
+
+
+def model() -> nn.Module:
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+
+
+def build(cfg: Any) -> Any:
+    """``task: elastic_runs:build``."""
+    from gputrain.models import build_model
+    from gputrain.tasks.base import Task
+    from gputrain.tasks.spec import TaskSpec
+
+    return TaskSpec(task=Task(nn.functional.mse_loss), model=build_model(cfg.model.name),
+                    train_data=Recorded(Path(cfg.data.root) / "served.txt"), val_data=None)
+
+
+def recipe(root: Path) -> Path:
+    (root / "data").mkdir(parents=True, exist_ok=True)
+    path = root / "elastic.yaml"
+    path.write_text(f"task: elastic_runs:build\nmodel:\n  name: elastic_runs:model\ndata:\n  root: {root / 'data'}\n"
+                    "  num_workers: 0\noptim:\n  name: sgd\n  lr: 0.05\n  momentum: 0.9\n"
+                    "trainer:\n  strategy: ddp\n  accelerator: cpu\n  epochs: 1\n  batch_size: 2\n"
+                    "  checkpoint_every_n_steps: 2\n  log_every_n_steps: 1\n  progress_bar: false\n  pictures: 0\n"
+                    "  loggers: []\nlaunch:\n  last_call_s: 5\n  join_timeout_s: 60\n")
+    return path
+
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")])}
+
+
+def node(root: Path, port: int, name: str) -> subprocess.Popen[str]:
+    """One node: ``gputrain train`` with its torchrun agent, in a session of its own; output in ``root/name.log``."""
+    log = (root / f"{name}.log").open("w")
+    return subprocess.Popen([sys.executable, "-m", "gputrain", "train", str(recipe(root)), "--nnodes", "1:2",
+                             "--rdzv-endpoint", f"127.0.0.1:{port}", "--max-restarts", "3", "--out",
+                             str(root / "run"), "--seed", "0"], env=ENV, stdout=log, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+
+
+def listening(port: int) -> bool:
+    """Whether the rendezvous store on ``port`` accepts connections (the hosting node's agent is up)."""
+    import socket
+
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def hosting(port: int, pids: list[int]) -> int | None:
+    """Which of ``pids`` (or their descendants) listens on ``port``: the node that hosts the rendezvous store."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
+                inodes.add(fields[9])
+    for pid in pids:
+        for owner in [pid, *children(pid)]:
+            try:
+                links = [os.readlink(fd) for fd in Path(f"/proc/{owner}/fd").iterdir()]
+            except OSError:
+                continue
+            if any(link == f"socket:[{inode}]" for link in links for inode in inodes):
+                return pid
+    return None
+
+
+def children(pid: int) -> list[int]:
+    """Every descendant of ``pid`` (from /proc), deepest last."""
+    kids: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        kids.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        for kid in kids.get(todo.pop(), []):
+            found.append(kid)
+            todo.append(kid)
+    return found
+
+
+def kill_node(proc: subprocess.Popen[str]) -> None:
+    """SIGKILL a node: its agent and every worker (the workers lead sessions of their own)."""
+    for pid in [proc.pid, *children(proc.pid)]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait()
+
+
+def wait_for(predicate: Any, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"waited {timeout_s:.0f} s for {what}")
+        time.sleep(0.02)
+
+
+def served(root: Path) -> list[tuple[int, int, int]]:
+    path = root / "data" / "served.txt"
+    lines = path.read_text().splitlines() if path.is_file() else []
+    return [tuple(int(v) for v in line.split()) for line in lines if len(line.split()) == 3]  # type: ignore[misc]
+
+
+def membership(run: Path) -> list[dict[str, Any]]:
+    return [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r.get("event")]
