@@ -552,7 +552,7 @@ FAULTS: tuple[Fault, ...] = (
           (f"{F16}::test_a_forward_that_overflows_float16_is_skipped_and_leaves_the_model_as_it_was",)),
     Fault("[31] no limit on skipped steps in a row (a float16 overflow trains on, skipping every step)",
           "src/gputrain/engine/state.py",
-          (("        if self.in_a_row < self.limit:", "        if True:"),),
+          (("        if self.in_a_row < self.LIMIT and self.loss_overflows_in_a_row < self.limit:", "        if True:"),),
           (f"{F16}::test_a_forward_that_always_overflows_ends_the_run_in_one_line_naming_the_cause",)),
     Fault("[31] a resumed window's loss decided on the steps after the resume alone", "src/gputrain/engine/state.py",
           (("        self.flushed_counted = n - skipped\n",
@@ -1442,4 +1442,12 @@ FAULTS: tuple[Fault, ...] = (
     Fault("[45] the stop agreement drops the ranks' time-based save", "src/gputrain/dist/stop.py",
           (("pace, float(due)], dtype=torch.float64)", "pace, 0.0], dtype=torch.float64)"),),
           ("tests/distributed/test_timed_checkpoints.py::test_time_based_checkpoints_are_saved_at_the_same_steps_on_every_rank",)),
+    # -- issue 42: the input pipeline in the plan ----------------------------------------------------------
+    Fault("[42] the plan's loader ignores the worker count", "src/gputrain/tools/plan/input.py",
+          (("    given = per_worker * workers if workers else per_worker", "    given = per_worker"),),
+          ("tests/unit/test_input_plan.py::test_workers_the_step_needs_are_suggested_and_a_loader_slower_than_the_step_is_input_bound",)),
+    Fault("[42] the per-worker rate timed on samples already read, not through the recipe's transforms",
+          "src/gputrain/tools/plan/workload.py",
+          (("                   seconds_per_sample=time_reads(data))", "                   seconds_per_sample=time_reads(samples))"),),
+          ("tests/unit/test_input_plan.py::test_plan_says_a_slow_loader_is_input_bound_in_its_table_and_json",)),
 )

@@ -109,6 +109,15 @@ def test_two_slurm_tasks_train_as_one_job(frames, reference, tmp_path):
     _assert_one_two_rank_job(run)
     assert "world_size=2" in "".join(d.stdout for d in done)
     assert _max_diff(_weights(run), reference) <= 1e-6
+    # SLURM requeues the job on one task (issue 45): it resumes on the new world size with the global batch kept,
+    # trains the third epoch's samples once, and records the change in metrics.jsonl.
+    args = _train_args(frames, run)
+    args[args.index("--epochs") + 1] = "3"
+    [done_again] = _run_all([([*args, "--resume", "auto"], _clean_env(SLURM_RESTART_COUNT="1", SLURM_JOB_ID="4242"))])
+    assert "the job went from 2 to 1 process(es) and resumed at step 4" in done_again.stdout
+    summary = json.loads((run / "summary.json").read_text())
+    assert (summary["world_size"], summary["global_batch"], summary["samples_seen"]) == (1, 4, 24)
+    assert (summary["membership_changes"], summary["restarts"]) == (1, 0)
 
 
 def _node_commands(frames: Path, folders: list[Path], extra: list[str]) -> list[tuple[list[str], dict[str, str]]]:

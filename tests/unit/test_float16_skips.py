@@ -232,3 +232,11 @@ def test_a_window_resumed_mid_way_logs_its_loss_even_if_every_step_after_the_res
     assert uninterrupted.flush() == resumed.flush() == 2.0
     assert uninterrupted.flushed_counted == resumed.flushed_counted == 4
     assert uninterrupted.flushed_skipped_steps == resumed.flushed_skipped_steps == 1
+
+
+def test_a_short_run_whose_steps_the_scaler_skips_while_finding_its_scale_trains_on(tmp_path):
+    """A run shorter than the limit ends early only when every step overflowed in the forward (issue 41): skips whose
+    loss was finite are the scaler lowering its first scale, as in the one-step runs docs/precision.md shows."""
+    x = torch.randn(4, 4, generator=torch.Generator().manual_seed(1)) * 100
+    summary = _fit(tmp_path, x, epochs=1)
+    assert summary["global_step"] == 1 and summary["final"].get("train/skipped_samples") == 4

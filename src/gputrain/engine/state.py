@@ -138,7 +138,8 @@ class SkippedSteps:
     def __init__(self, is_main: bool, precision: Precision) -> None:
         self.is_main, self.precision = is_main, precision
         self.limit = self.LIMIT
-        """:data:`LIMIT`, or the run's steps when it has fewer: a run whose every step was skipped trained nothing."""
+        """:data:`LIMIT`, or the run's steps when it has fewer: a run whose every step overflowed in the forward
+        trained nothing."""
         self.in_a_row = 0
         self.loss_overflows_in_a_row = 0
         self.warned = False
@@ -158,7 +159,9 @@ class SkippedSteps:
                       f"{state.global_step} (trainer.precision=16-mixed); the loss scaler skipped that step, which is "
                       "left out of the logged loss (train/skipped_steps counts the skipped steps)", file=sys.stderr,
                       flush=True)
-        if self.in_a_row < self.limit:
+        # A short run whose every step overflowed in the forward trained nothing; skips whose loss was finite are the
+        # scaler finding its scale (the first steps of any 16-mixed run), which only LIMIT of in a row ends.
+        if self.in_a_row < self.LIMIT and self.loss_overflows_in_a_row < self.limit:
             return None
         scale = self.precision.log_values().get("train/loss_scale", float("nan"))
         cause = (f"the loss itself was inf/NaN in {self.loss_overflows_in_a_row} of them, so float16 overflows in the "

@@ -16,6 +16,7 @@ from gputrain.config import RunConfig
 from gputrain.parallel.partition import format_bytes
 from gputrain.tools.plan import memory
 from gputrain.tools.plan.budget import device_budget, parse_size
+from gputrain.tools.plan.input import InputPlan, input_plan
 from gputrain.tools.plan.plans import Plan, Planner, choose, fits_cell, micro_batch_count, why
 from gputrain.tools.plan.timing import Probe, block_shares, measure_step, measure_steps, timed_at
 from gputrain.tools.plan.workload import Workload
@@ -35,11 +36,13 @@ class Report:
     global_batch: int
     notes: list[str]
     seconds: float
+    input: InputPlan | None = None  # the data loader against the chosen plan's step (issue 42)
 
     def as_json(self) -> dict[str, Any]:
         return {"plans": [p.as_json() for p in self.plans], "chosen": self.chosen.as_json() if self.chosen else None,
                 "budget_bytes": self.budget, "device": self.device, "precision": self.precision,
-                "global_batch": self.global_batch, "notes": self.notes, "plan_s": self.seconds}
+                "global_batch": self.global_batch, "notes": self.notes, "plan_s": self.seconds,
+                "input": self.input.as_json() if self.input else None}
 
 
 def global_batch(cfg: RunConfig, devices: int, nnodes: int) -> int:
@@ -157,7 +160,13 @@ def make_report(cfg: RunConfig, *, devices: int, nnodes: int = 1, budget_text: s
     chosen = choose(found)
     if choice_only and chosen is None:
         return make_report(cfg, devices=devices, nnodes=nnodes, budget_text=budget_text, only=only, progress=progress)
-    return Report(found, chosen, budget, source, str(device), precision, g, notes, time.perf_counter() - started)
+    from gputrain.strategies import processes_per_node
+
+    loader = None if chosen is None else input_plan(
+        cfg, chosen.strategy, chosen.devices, chosen.images_per_s, work.seconds_per_sample,
+        processes_per_node=processes_per_node(chosen.strategy, devices))
+    return Report(found, chosen, budget, source, str(device), precision, g, notes, time.perf_counter() - started,
+                  loader)
 
 
 SPLIT_PLANS = ["pipeline-gpipe", "pipeline-1f1b", "model_parallel"]
@@ -232,6 +241,8 @@ def format_report(report: Report, title: str) -> str:
     lines += [f"note: {n}" for n in report.notes]
     if report.chosen:  # none: the command ends in its one error line (cmd_plan)
         lines.append(f"chosen: {why(report.chosen, report.plans)}")
+    if report.input:
+        lines.append(report.input.line())
     lines.append(f"planned in {report.seconds:.1f} s; memory counted on fake tensors, time from measured steps "
                  f"(docs/plan.md)")
     return "\n".join(lines)

@@ -40,6 +40,8 @@ class Workload:
     counted: dict[tuple[Any, ...], Any] = field(default_factory=dict, repr=False)
     """Memory already counted for this model, by what was counted: plans that share a step share its count."""
     _meta_model: nn.Module | None = field(default=None, repr=False)
+    seconds_per_sample: float = 0.0
+    """One training sample read as a loader worker reads it (decode and augment: :mod:`~gputrain.tools.plan.input`)."""
 
     def meta_model(self) -> nn.Module:
         """The model on the meta device, made once: each pass on fake tensors copies it (no weights to copy)."""
@@ -61,8 +63,11 @@ class Workload:
         if n == 0:
             raise ValueError(f"data.root={cfg.data.root!r}: the training set is empty; planning reads a batch of it")
         samples = [data[i] for i in range(n)]
+        from gputrain.tools.plan.input import time_reads
+
         return cls(cfg=cfg, model=spec.model, task=spec.task, samples=samples, device=device, precision=precision,
-                   split_points=tuple(cfg.parallel.split_points), _collate=spec.task.collate_fn() or default_collate)
+                   split_points=tuple(cfg.parallel.split_points), _collate=spec.task.collate_fn() or default_collate,
+                   seconds_per_sample=time_reads(data))
 
     def checkpointed(self) -> Workload:
         """The same run with ``trainer.activation_checkpointing=true`` (a checkpointed copy of the model; the notes

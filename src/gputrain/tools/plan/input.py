@@ -1,0 +1,86 @@
+"""The input pipeline in the plan (issue 42): can the data loader keep up with the chosen plan's step?
+
+Input starvation is the commonest reason an accelerator waits, and no tool in the field predicts it before a run.
+The plan reads a few samples of the user's own training set with the recipe's transforms (decode and augment, in
+this process: what one loader worker does) and times them, then compares what ``data.num_workers`` workers give a
+process with what the chosen plan's step consumes there. Workers run in parallel on separate cores, so the rate
+scales with them up to the cores the node gives each process (``data.num_workers=auto`` takes all of them).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from gputrain.config import RunConfig
+from gputrain.config.resolve import resolve_num_workers, usable_cores
+
+SAMPLES = 16
+"""Samples timed, spread over the training set (after one warm read: first reads open files and caches)."""
+BUDGET_S = 3.0
+"""At most this long timing reads; a slower set is timed on fewer samples."""
+MARGIN = 1.25
+"""Suggested workers give this much more than the step needs: loaders are bursty, and the estimate is one process's."""
+
+
+def time_reads(data: Any, count: int = SAMPLES, budget_s: float = BUDGET_S) -> float:
+    """Seconds to read one sample of ``data`` as a worker does (``dataset[i]``: decode, transforms)."""
+    n = len(data)
+    indices = sorted({k * n // count for k in range(min(count, n))})
+    data[indices[0]]  # warm: opens, lazy set-up
+    started, timed = time.perf_counter(), 0
+    for i in indices:
+        data[i]
+        timed += 1
+        if time.perf_counter() - started > budget_s:
+            break
+    return (time.perf_counter() - started) / timed
+
+
+@dataclass
+class InputPlan:
+    images_per_s_per_worker: float
+    workers: int
+    """``data.num_workers`` as the run would resolve it on this node (0: the training process reads)."""
+    suggested_workers: int
+    images_per_s: float
+    """What the configured workers give one process (0 workers: one reader, in series with the step)."""
+    needed_per_s: float
+    """What the chosen plan's step consumes in one process."""
+    keeps_up: bool
+    cores_per_process: int
+
+    def as_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def line(self) -> str:
+        rate = (f"input: {self.images_per_s_per_worker:.0f} images/s per loader worker (decode and augment, timed on "
+                f"this training set); the chosen plan needs {self.needed_per_s:.0f} per process")
+        given = (f"{self.workers} worker(s) give {self.images_per_s:.0f}" if self.workers
+                 else "data.num_workers=0 reads in the training process, in series with each step")
+        if self.keeps_up:
+            return f"{rate}; {given}: the loader keeps up"
+        if self.suggested_workers > self.cores_per_process:
+            return (f"{rate}; {given}: input-bound, and even {self.cores_per_process} worker(s) (this node's cores per "
+                    f"process) give {self.images_per_s_per_worker * self.cores_per_process:.0f}: lighter "
+                    "transforms, smaller images or data.decode_on_device=true on a GPU")
+        return f"{rate}; {given}: input-bound; set data.num_workers={self.suggested_workers}"
+
+
+def input_plan(cfg: RunConfig, strategy: str, devices: int, images_per_s: float, seconds_per_sample: float, *,
+               processes_per_node: int) -> InputPlan:
+    """The loader against a plan of ``strategy`` on ``devices`` training ``images_per_s``: each data-parallel process
+    reads its share of every step."""
+    loaders = devices if strategy in ("ddp", "fsdp") else 1
+    needed = images_per_s / loaders
+    per_worker = 1.0 / max(seconds_per_sample, 1e-9)
+    cores = max(usable_cores() // max(processes_per_node, 1), 1)
+    workers = resolve_num_workers(cfg.data.num_workers, cores=usable_cores(), local_processes=processes_per_node)
+    given = per_worker * workers if workers else per_worker
+    suggested = max(1, math.ceil(needed * MARGIN / per_worker))
+    # Without workers the reads add to each step: fine while they are a tenth of it or less.
+    keeps_up = given >= needed if workers else per_worker >= 10 * needed
+    return InputPlan(images_per_s_per_worker=per_worker, workers=workers, suggested_workers=suggested,
+                     images_per_s=given, needed_per_s=needed, keeps_up=keeps_up, cores_per_process=cores)
