@@ -63,3 +63,8 @@ def test_a_restarted_job_records_its_membership_and_the_summary_counts_it(tmp_pa
     assert (change["event"], change["world_size_before"], change["world_size"], change["step"]) == ("restart", 1, 1, 4)
     assert change["seconds_lost"] >= 0 and change["samples_retrained"] == 0
     assert (summary["restarts"], summary["membership_changes"]) == (1, 0)
+    # Started again once finished, it trains nothing and records nothing (a new user's finding: it did).
+    Trainer(out=out, accelerator="cpu", epochs=2, batch_size=8, progress_bar=False, pictures=0,
+            resume="auto").fit(nn.Linear(4, 1), _data(), loss=nn.functional.mse_loss)
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert sum('"event"' in line for line in lines) == 1

@@ -112,3 +112,17 @@ def test_the_nan_sample_sits_where_the_tests_expect_it(dp):
     plan = EpochPlan(N, seed=SEED, epoch=0, dp_size=dp, batch_size=2 // dp)
     step = NAN_POSITION // 2
     assert plan.micro_batches(step)[0][dp - 1][-1] == nan_index()  # the last rank's
+
+
+def test_a_replay_that_fails_leaves_the_runs_own_error_with_a_warning(tmp_path, monkeypatch, capsys):
+    """Whatever goes wrong in the replay (a model it cannot run twice, say), the user gets the run's one line."""
+    from gputrain.engine import forensics
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a model the replay cannot run")
+
+    monkeypatch.setattr(forensics, "investigate", broken)
+    line = fail(tmp_path, "sample")
+    assert line.startswith("the training loss became NaN/inf at epoch 1") and "replay of" not in line
+    assert "gputrain: warning: the replay of the failing step failed (RuntimeError: a model the replay cannot run)" \
+        in capsys.readouterr().err

@@ -59,6 +59,10 @@ MINIMUM = {"devices": 1, "epochs": 1, "batch_size": 1, "nnodes": 1, "node_rank":
 
 def check_flags(args: argparse.Namespace) -> None:
     """Numbers no run can use, refused before anything starts, naming the flag."""
+    if isinstance(getattr(args, "nnodes", None), str):
+        from gputrain.cli.run_flags import nodes
+
+        nodes(args.nnodes)
     for name, low in MINIMUM.items():
         values = getattr(args, name, None)
         for value in values if isinstance(values, list) else [values]:

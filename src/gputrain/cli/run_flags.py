@@ -63,13 +63,14 @@ REFUSED: dict[str, dict[str, str]] = {
 
 
 def nodes(text: str) -> str:
-    """``--nnodes``: a count, or ``MIN:MAX`` for a job whose nodes may leave and join (torchrun's form)."""
-    parts = text.split(":")
+    """``--nnodes``: a count, or ``MIN:MAX`` for a job whose nodes may leave and join (torchrun's form); a value that
+    is neither is one line (checked after parsing, so argparse prints no usage text)."""
+    parts = str(text).split(":")
     if len(parts) > 2 or not all(p.strip().isdigit() and int(p) >= 1 for p in parts):
-        raise argparse.ArgumentTypeError(f"{text!r} is no node count: give N, or MIN:MAX for an elastic job (1:4)")
+        raise ValueError(f"--nnodes {text}: give a number of nodes, or MIN:MAX for an elastic job (e.g. 1:4)")
     if len(parts) == 2 and int(parts[1]) < int(parts[0]):
-        raise argparse.ArgumentTypeError(f"{text!r}: MAX must be at least MIN")
-    return text.strip()
+        raise ValueError(f"--nnodes {text}: MAX must be at least MIN")
+    return str(text).strip()
 
 
 def node_overrides(value: str) -> list[str]:
@@ -94,7 +95,7 @@ DEFINITIONS: list[tuple[str, tuple[str, ...], dict[str, Any]]] = [
                                  "a non-empty one needs --resume auto or --overwrite"}),
     ("overwrite", ("--overwrite",), {"action": "store_const", "const": True, "default": None,
                                      "help": "delete the contents of a non-empty --out run folder first"}),
-    ("nnodes", ("--nnodes",), {"type": nodes, "help": "nodes in the job, or MIN:MAX for an elastic one (torchrun "
+    ("nnodes", ("--nnodes",), {"help": "nodes in the job, or MIN:MAX for an elastic one (torchrun "
                                                      "rendezvous)"}),
     ("node_rank", ("--node-rank",), {"type": int}),
     ("rdzv_endpoint", ("--rdzv-endpoint",), {"help": "HOST:PORT of the c10d rendezvous for multi-node jobs"}),

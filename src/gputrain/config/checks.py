@@ -219,10 +219,10 @@ def check_launch(cfg: RunConfig) -> None:
     if not launch.node_rank < most:
         field = "launch.max_nodes" if launch.max_nodes else "launch.nnodes"
         raise ValueError(f"launch.node_rank={launch.node_rank} must be in [0, {field}={most})")
-    if most > launch.nnodes and cfg.trainer.strategy in SPLIT_STRATEGIES:
+    if most > launch.nnodes and cfg.trainer.strategy not in ("ddp", "fsdp"):
         raise ValueError(f"--nnodes {launch.nnodes}:{most} lets the job's size change, and strategy "
-                         f"{cfg.trainer.strategy} splits the model over a fixed number of processes; train an elastic "
-                         "job with ddp or fsdp, or give --nnodes one number")
+                         f"{cfg.trainer.strategy} runs on a fixed number of processes (one, or a split of the model); "
+                         "train an elastic job with --strategy ddp or fsdp, or give --nnodes one number")
 
 
 def check_split_options(cfg: RunConfig, stages: int | None = None, strategy: str = "") -> None:

@@ -20,6 +20,7 @@ import copy
 import dataclasses
 import json
 import shutil
+import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -91,7 +92,14 @@ def explain(loop: Loop, err: NonFiniteError, progress: TrainState, *, out: Path,
     if loop.strategy.name == "pipeline":  # a stage's modules on each rank: not replayed yet (docs/precision.md)
         return err
     started = time.perf_counter()
-    report = investigate(loop, err, progress, out=out, initial=initial, config=config)
+    try:
+        report = investigate(loop, err, progress, out=out, initial=initial, config=config)
+    except Exception as failed:  # noqa: BLE001  (the run's own error must reach the user, not the replay's)
+        if loop.dist.is_main:
+            first = (str(failed).splitlines() or [""])[0]
+            print(f"gputrain: warning: the replay of the failing step failed ({type(failed).__name__}: {first}); the "
+                  "run's error follows without its report", file=sys.stderr, flush=True)
+        return err
     if report is None:
         return err
     bundle = out / BUNDLE

@@ -170,6 +170,8 @@ def record_membership(loop: Loop, out: Path, resume: dict[str, Any], state: Trai
     elastic = loop.cfg.launch.max_nodes > loop.cfg.launch.nnodes  # a node that joins restarts the workers: count 0
     if not loop.dist.is_main or (restart_attempt() == 0 and requeued == 0 and not elastic):
         return
+    if state.epoch >= loop.cfg.trainer.epochs:  # a finished run started again: it trains nothing, nothing changed
+        return
     record = membership.change_record(metrics=out / "metrics.jsonl", checkpoint=Path(resume["_path"]),
                                       step=state.global_step, epoch=state.epoch, before=before, after=after,
                                       global_batch=loop.global_batch)
