@@ -80,14 +80,6 @@ def node(root: Path, port: int, name: str) -> subprocess.Popen[str]:
                             text=True, start_new_session=True)
 
 
-def listening(port: int) -> bool:
-    """Whether the rendezvous store on ``port`` accepts connections (the hosting node's agent is up)."""
-    import socket
-
-    with socket.socket() as s:
-        return s.connect_ex(("127.0.0.1", port)) == 0
-
-
 def hosting(port: int, pids: list[int]) -> int | None:
     """Which of ``pids`` (or their descendants) listens on ``port``: the node that hosts the rendezvous store."""
     inodes = set()
