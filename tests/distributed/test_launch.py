@@ -151,3 +151,48 @@ def test_when_a_rank_fails_the_launcher_stops_the_others_with_sigterm(tmp_path, 
     assert (tmp_path / "rank0").read_text() == "SIGTERM"
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         "gputrain: error: rank 1 exited with code 1 without an error message")
+
+
+LATE_CAUSE = '''
+import os, pathlib, time
+
+import gputrain.launcher.worker_errors as errors
+
+folder = pathlib.Path(os.environ["MARKER_DIR"])
+
+
+def consequence():
+    raise RuntimeError("[gloo] Connection closed by peer [127.0.0.1]:1234")
+
+
+def cause():
+    failed_at = time.time()
+    while not (folder / "rank1-left").exists():  # the peer saw the closed connection and left first
+        time.sleep(0.01)
+    time.sleep(1.0)  # a loaded machine: the rank that failed is still on its way to writing its error
+    err = ValueError("image frames/0.jpg is truncated; re-export it")
+    err.gputrain_time = failed_at
+    raise err
+
+
+if os.environ["RANK"] == "1":
+    try:
+        errors.worker_record(consequence, usage=(ValueError,))()
+    finally:
+        (folder / "rank1-left").touch()
+errors.worker_record(cause, usage=(ValueError,))()
+'''
+
+
+def test_a_rank_that_only_lost_its_peer_and_left_first_does_not_hide_the_rank_that_failed(tmp_path, monkeypatch, capsys):
+    """CI of stop 50: the rank that failed tears its process group down, its peer sees the closed connection and
+    leaves before the failed rank has written its error; a SIGTERM to it then lost the line that explains the run."""
+    from gputrain.errors import EXIT_USAGE
+    from gputrain.launcher.direct import run_direct
+
+    (tmp_path / "late_cause.py").write_text(LATE_CAUSE)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    monkeypatch.setenv("MARKER_DIR", str(tmp_path))
+    assert run_direct(2, "late_cause", []) == EXIT_USAGE
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "gputrain: error: rank 0: image frames/0.jpg is truncated; re-export it")

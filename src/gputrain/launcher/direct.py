@@ -40,6 +40,9 @@ FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signa
 """Signals the launcher passes on to every rank (SIGUSR1: SLURM's "time is nearly up")."""
 GRACE_S = 30.0
 """How long ranks may take to leave after SIGTERM before SIGKILL (torchrun's default)."""
+CAUSE_GRACE_S = 10.0
+"""How long the other ranks may take to leave on their own when the first to leave only lost a peer: the rank
+that caused it is still writing its error, and a SIGTERM then would lose the error that explains the run."""
 _PR_SET_PDEATHSIG = 1
 
 
@@ -146,6 +149,12 @@ class _Job:
                 return None
             time.sleep(0.05)
 
+    def wait_all(self, seconds: float) -> None:
+        """Wait up to ``seconds`` for every rank to leave on its own."""
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline and any(proc.poll() is None for proc in self.procs):
+            time.sleep(0.05)
+
     def stop_all(self, *, terminate: bool) -> dict[int, Any]:
         """Wait for every rank (SIGTERM first if ``terminate``), SIGKILL after :data:`GRACE_S`; the failed ranks."""
         from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
@@ -170,7 +179,7 @@ def _supervise(nproc: int, argv: Sequence[str], logs: Path | None = None,
     A rank's failure stops the others (SIGTERM, then SIGKILL after :data:`GRACE_S`); a signal the launcher receives
     is forwarded to every rank, which agree to stop at a step boundary.
     """
-    from gputrain.launcher.failures import INTERRUPT_CODES
+    from gputrain.launcher.failures import INTERRUPT_CODES, is_consequence, recorded_own_error
 
     base = dict(os.environ)
     base.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
@@ -192,10 +201,13 @@ def _supervise(nproc: int, argv: Sequence[str], logs: Path | None = None,
             return job.signum, {}
         # A rank that stopped for a signal was agreed with the others, which are leaving too: no SIGTERM.
         terminate = not job.signum and first.exitcode not in INTERRUPT_CODES
+        if terminate and is_consequence(first.local_rank, first):
+            job.wait_all(CAUSE_GRACE_S)
         failures = job.stop_all(terminate=terminate)
         if terminate:  # a rank that left for our SIGTERM did not fail: else a crash with no error file (OOM kill)
             failures = {rank: failure for rank, failure in failures.items()  # could be reported as "interrupted"
-                        if failure.exitcode not in (*INTERRUPT_CODES, -signal.SIGTERM)}
+                        if failure.exitcode not in INTERRUPT_CODES
+                        and (failure.exitcode != -signal.SIGTERM or recorded_own_error(failure))}
         failures[first.local_rank] = first
         return job.signum, failures
     finally:

@@ -58,14 +58,25 @@ def failure_line(rank: int, failure: Any) -> str:
 _PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "DistNetworkError", "DistBackendError")
 
 
+def is_consequence(rank: int, failure: Any) -> bool:
+    """Whether the rank failed because a peer left (its lost connection), not for a reason of its own.
+
+    Such a rank often exits first, whatever the times: the rank that failed tears its process group down
+    before its own error file is written.
+    """
+    line = failure_line(rank, failure)
+    return any(text in line for text in _PEER_LOST)
+
+
+def recorded_own_error(failure: Any) -> bool:
+    """Whether the rank wrote gputrain's record of its own error (then it failed, whatever signal ended it)."""
+    return bool(_gputrain_info(failure).get("line"))
+
+
 def first_failure(failures: dict[int, Any]) -> tuple[int, Any]:
     """The failing rank whose error came first and is not a consequence of another's; (rank, failure)."""
     def order(item: tuple[int, Any]) -> tuple[bool, float, int]:
-        # A peer's lost connection is a consequence, whatever its time: the rank that left first
-        # tears its process group down before its own error file is written.
-        line = failure_line(item[0], item[1])
-        consequence = any(text in line for text in _PEER_LOST)
-        return consequence, _gputrain_info(item[1]).get("time", item[1].timestamp), item[0]
+        return is_consequence(*item), _gputrain_info(item[1]).get("time", item[1].timestamp), item[0]
 
     return min(failures.items(), key=order)
 
