@@ -141,4 +141,5 @@ def served(root: Path) -> list[tuple[int, int, int]]:
 
 
 def membership(run: Path) -> list[dict[str, Any]]:
-    return [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r.get("event")]
+    return [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+            if r.get("event") in ("membership", "restart")]

@@ -603,6 +603,13 @@ FAULTS: tuple[Fault, ...] = (
           "src/gputrain/launcher/direct.py",
           (("        if terminate:  # a rank that left", "        if False:  # a rank that left"),),
           ("tests/distributed/test_launch.py::test_when_a_rank_fails_the_launcher_stops_the_others_with_sigterm",)),
+    # -- src/gputrain/engine/callbacks/pace.py ---------------------------------------------------------------
+    Fault("[42] the first steps' pace counts no data wait", "src/gputrain/engine/callbacks/pace.py",
+          (("            self.waits.append(sum(ctx.data_waits))", "            self.waits.append(0.0)"),),
+          ("tests/unit/test_pace.py::test_a_loader_that_holds_the_steps_up_is_named_and_the_suggested_workers_remove_the_wait",)),
+    Fault("[42] the pace's suggestion ignores the workers already there", "src/gputrain/engine/callbacks/pace.py",
+          (("    read_s = wait_s if workers == 0 else workers * step_s", "    read_s = wait_s"),),
+          ("tests/unit/test_pace.py::test_the_suggestion_counts_the_workers_already_there_and_says_when_the_cores_fall_short",)),
     Fault("the launcher stops the ranks at once when the first to leave only lost its peer",
           "src/gputrain/launcher/direct.py",
           (("            job.wait_all(CAUSE_GRACE_S)", "            pass"),),

@@ -158,6 +158,9 @@ def write_summary(loop: Loop, out: Path, state: TrainState, metrics: dict[str, f
     }
     if loop.dist.is_main:
         summary |= membership.counts(out / "metrics.jsonl")  # an elastic job's restarts (issue 45)
+        pace = membership.last_record(out / "metrics.jsonl", "pace")  # the first steps' pace (issue 42)
+        if pace is not None:
+            summary["pace"] = pace
         (out / "summary.json").write_text(strict_json(summary, indent=2))
     return summary
 

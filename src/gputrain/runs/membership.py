@@ -19,7 +19,7 @@ EVENT = "membership"
 """A record's ``event`` when the world size changed; ``restart`` when the workers restarted on the same one."""
 
 
-def _records(metrics: Path) -> list[dict[str, Any]]:
+def records(metrics: Path) -> list[dict[str, Any]]:
     records = []
     if metrics.is_file():
         for line in metrics.read_text(encoding="utf-8").splitlines():
@@ -33,7 +33,7 @@ def _records(metrics: Path) -> list[dict[str, Any]]:
 def change_record(*, metrics: Path, checkpoint: Path, step: int, epoch: int, before: int, after: int,
                   global_batch: int) -> dict[str, Any]:
     """The record of a resume after a restart: where, what changed, and what it cost."""
-    logged = [int(r["step"]) for r in _records(metrics) if "event" not in r and isinstance(r.get("step"), int)]
+    logged = [int(r["step"]) for r in records(metrics) if "event" not in r and isinstance(r.get("step"), int)]
     redone = max(0, max(logged, default=step) - step)
     now = time.time()
     return {"time": round(now, 3), "event": EVENT if before != after else "restart", "epoch": epoch, "step": step,
@@ -47,9 +47,15 @@ def append(metrics: Path, record: dict[str, Any]) -> None:
         f.write(json.dumps(record) + "\n")
 
 
+def last_record(metrics: Path, event: str) -> dict[str, Any] | None:
+    """The last record of ``event`` in ``metrics`` (say ``"pace"``), without its event name; None when there is none."""
+    found = [r for r in records(metrics) if r.get("event") == event]
+    return {k: v for k, v in found[-1].items() if k != "event"} if found else None
+
+
 def counts(metrics: Path) -> dict[str, int]:
     """``summary.json``'s counts: membership changes and restarts on the same world size."""
-    events = [r.get("event") for r in _records(metrics)]
+    events = [r.get("event") for r in records(metrics)]
     return {"membership_changes": events.count(EVENT), "restarts": events.count("restart")}
 
 

@@ -1,0 +1,99 @@
+"""The pace of a run's first steps, measured (issue 42's closed loop): how long a step takes and how much of it waits
+for the data loader, with the workers to set when the loader holds the steps up.
+
+``gputrain plan`` predicts whether the loader keeps up before a run; this is the run's own answer, at no cost (the
+engine already times each batch's wait). Rank 0's figures, over the steps after the first (which starts the
+workers and warms the caches), up to :data:`PACE_STEPS`, or the first epoch's when it is shorter. They go to
+``metrics.jsonl`` as one record (``"event": "pace"``) and to ``summary.json`` as ``"pace"``.
+
+The workers to set: a worker reads a whole step's batches in ``r`` seconds (with ``data.num_workers=0`` that is the
+wait itself; with ``W`` workers that hold the step up, a step lasts ``r / W``), while the step computes for
+``c`` = step - wait. ``r / c`` workers keep up; like the plan, the suggestion adds a quarter for bursts.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from typing import Any
+
+from gputrain.engine.hooks import Hook, RunContext
+from gputrain.runs import membership
+
+PACE_STEPS = 20
+"""Steps measured, after the first."""
+WAIT_SHARE = 0.2
+"""A loader that makes the steps wait more than this share of their time is named, with the workers to set."""
+MARGIN = 1.25
+"""Suggested workers give this much more than the step needs (as the plan's suggestion)."""
+EVENT = "pace"
+
+
+def suggested_workers(step_s: float, wait_s: float, workers: int) -> int:
+    """Workers that read a step's batches while it computes (see the module's docstring)."""
+    compute_s = max(step_s - wait_s, 1e-6)
+    read_s = wait_s if workers == 0 else workers * step_s
+    return max(1, math.ceil(read_s * MARGIN / compute_s))
+
+
+def pace_line(pace: dict[str, Any], cores: int) -> str:
+    """The one line a held-up run prints (empty when the loader kept up)."""
+    if pace["data_wait_share"] <= WAIT_SHARE:
+        return ""
+    held = (f"gputrain: the data loader held up the first {pace['steps']} steps: {pace['data_wait_s']:.3f} s of each "
+            f"{pace['step_s']:.3f} s step waited for data (data.num_workers={pace['num_workers']})")
+    wanted = pace["suggested_workers"]
+    if wanted > cores:
+        return (f"{held}; even {cores} worker(s) (this node's cores per process) would not keep up: lighter "
+                "transforms, smaller images or data.decode_on_device=true on a GPU")
+    return f"{held}; set data.num_workers={wanted}"
+
+
+class PaceHook(Hook):
+    """Times rank 0's first steps and reports them once (see the module's docstring)."""
+
+    def __init__(self) -> None:
+        self.walls: list[float] = []
+        self.waits: list[float] = []
+        self.first_step_done = False
+        self.mark: float | None = None
+        self.reported = False
+
+    def before_epoch(self, ctx: RunContext) -> None:
+        self.mark = time.perf_counter()  # an evaluation between epochs is not a step's time
+
+    def after_step(self, ctx: RunContext, logs: dict[str, float] | None) -> None:
+        now = time.perf_counter()
+        if self.reported or not ctx.dist.is_main or self.mark is None:
+            return
+        if self.first_step_done:
+            self.walls.append(now - self.mark)
+            self.waits.append(sum(ctx.data_waits))
+        self.first_step_done = True
+        self.mark = time.perf_counter()
+        if len(self.walls) == PACE_STEPS:
+            self._report(ctx)
+
+    def after_epoch(self, ctx: RunContext, metrics: dict[str, float]) -> None:
+        if not self.reported and self.walls and ctx.dist.is_main:
+            self._report(ctx)  # a first epoch shorter than PACE_STEPS: what it had, before summary.json is written
+
+    def _report(self, ctx: RunContext) -> None:
+        self.reported = True
+        step_s, wait_s = sum(self.walls) / len(self.walls), sum(self.waits) / len(self.waits)
+        workers = int(ctx.cfg.data.num_workers)
+        pace = {"event": EVENT, "after_step": ctx.state.global_step, "steps": len(self.walls), "step_s": round(step_s, 6),
+                "data_wait_s": round(wait_s, 6), "data_wait_share": round(wait_s / max(step_s, 1e-9), 4),
+                "num_workers": workers, "suggested_workers": suggested_workers(step_s, wait_s, workers)}
+        membership.append(ctx.out / "metrics.jsonl", pace)
+        line = pace_line(pace, cores=_cores_per_process(ctx))
+        if line:
+            print(line, flush=True)
+
+
+def _cores_per_process(ctx: RunContext) -> int:
+    from gputrain.config.resolve import usable_cores
+
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    return max(usable_cores() // max(local, 1), 1)

@@ -1,0 +1,85 @@
+"""A run measures its first steps' pace (issue 42's closed loop): the step time and the data wait go to
+``metrics.jsonl`` and ``summary.json``, and a loader that holds the steps up is named in one line with the workers to
+set; setting them removes the wait."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+from gputrain.cli import main
+from gputrain.engine.callbacks.pace import pace_line, suggested_workers
+
+READ_S = 0.006  # per sample: a batch of 8 reads in 48 ms
+COMPUTE_S = 0.06  # per step: the model's forward
+
+
+class SlowReads(Dataset):
+    def __init__(self) -> None:
+        self.x = torch.randn(72, 8, generator=torch.Generator().manual_seed(0))
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        time.sleep(READ_S)  # a decode and augment that takes this long
+        return self.x[i], self.x[i].sum(0, keepdim=True)
+
+
+class SlowStep(nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(COMPUTE_S)  # a step that computes this long
+        return super().forward(x)
+
+
+def build(cfg):
+    """``task: test_pace:build`` (tests/unit is on the path)."""
+    from gputrain.tasks.base import Task
+    from gputrain.tasks.spec import TaskSpec
+
+    return TaskSpec(task=Task(nn.functional.mse_loss), model=SlowStep(8, 1), train_data=SlowReads(), val_data=None)
+
+
+def _train(tmp_path: Path, workers: int, capsys) -> tuple[dict, str]:
+    recipe = tmp_path / "slow.yaml"
+    recipe.write_text("task: test_pace:build\ntrainer:\n  batch_size: 8\n  accelerator: cpu\n")
+    out = tmp_path / f"run{workers}"
+    code = main(["train", str(recipe), "--out", str(out), "--epochs", "1", f"data.num_workers={workers}",
+                 "trainer.progress_bar=false", "trainer.pictures=0", "trainer.enable_checkpointing=false"])
+    printed = capsys.readouterr().out
+    assert code == 0
+    summary = json.loads((out / "summary.json").read_text())
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r for r in records if r.get("event") == "pace"] == [{"event": "pace", **summary["pace"]}]
+    return summary["pace"], printed
+
+
+def test_a_loader_that_holds_the_steps_up_is_named_and_the_suggested_workers_remove_the_wait(tmp_path, capsys,
+                                                                                            monkeypatch):
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))
+    held, printed = _train(tmp_path, 0, capsys)
+    assert held["steps"] == 8 and held["num_workers"] == 0  # 9 steps, the first (warming up) not counted
+    assert held["data_wait_s"] == pytest.approx(8 * READ_S, rel=0.5) and held["data_wait_share"] > 0.2
+    assert held["suggested_workers"] == 1  # 48 ms of reads beside 60 ms of compute, plus a quarter
+    line = next(x for x in printed.splitlines() if "held up" in x)
+    assert line.endswith("set data.num_workers=1") and "data.num_workers=0" in line
+    kept, printed = _train(tmp_path, held["suggested_workers"], capsys)
+    assert kept["data_wait_share"] < 0.2 and kept["data_wait_s"] < held["data_wait_s"] / 3
+    assert "held up" not in printed
+
+
+def test_the_suggestion_counts_the_workers_already_there_and_says_when_the_cores_fall_short():
+    assert suggested_workers(step_s=0.1, wait_s=0.04, workers=0) == 1  # 0.04 x 1.25 / 0.06
+    # 2 workers holding a 0.2 s step up (0.15 s of it waiting): each reads a step in 0.4 s; 0.4 x 1.25 / 0.05
+    assert suggested_workers(step_s=0.2, wait_s=0.15, workers=2) == 10
+    pace = {"steps": 20, "step_s": 0.2, "data_wait_s": 0.15, "data_wait_share": 0.75, "num_workers": 2,
+            "suggested_workers": 10}
+    assert "set data.num_workers=10" in pace_line(pace, cores=16)
+    assert "even 4 worker(s)" in pace_line(pace, cores=4) and "num_workers=10" not in pace_line(pace, cores=4)
+    assert pace_line({**pace, "data_wait_share": 0.1}, cores=16) == ""
