@@ -83,3 +83,4 @@ def test_the_suggestion_counts_the_workers_already_there_and_says_when_the_cores
     assert "set data.num_workers=10" in pace_line(pace, cores=16)
     assert "even 4 worker(s)" in pace_line(pace, cores=4) and "num_workers=10" not in pace_line(pace, cores=4)
     assert pace_line({**pace, "data_wait_share": 0.1}, cores=16) == ""
+    assert pace_line({**pace, "steps": 4}, cores=16) == ""  # a first epoch of 5 steps: recorded, not named

@@ -25,6 +25,8 @@ PACE_STEPS = 20
 """Steps measured, after the first."""
 WAIT_SHARE = 0.2
 """A loader that makes the steps wait more than this share of their time is named, with the workers to set."""
+MIN_STEPS = 5
+"""Fewer measured steps (a first epoch of a few steps) are recorded but too few to name the loader on."""
 MARGIN = 1.25
 """Suggested workers give this much more than the step needs (as the plan's suggestion)."""
 EVENT = "pace"
@@ -38,8 +40,8 @@ def suggested_workers(step_s: float, wait_s: float, workers: int) -> int:
 
 
 def pace_line(pace: dict[str, Any], cores: int) -> str:
-    """The one line a held-up run prints (empty when the loader kept up)."""
-    if pace["data_wait_share"] <= WAIT_SHARE:
+    """The one line a held-up run prints (empty when the loader kept up, or too few steps were measured)."""
+    if pace["data_wait_share"] <= WAIT_SHARE or pace["steps"] < MIN_STEPS:
         return ""
     held = (f"gputrain: the data loader held up the first {pace['steps']} steps: {pace['data_wait_s']:.3f} s of each "
             f"{pace['step_s']:.3f} s step waited for data (data.num_workers={pace['num_workers']})")
