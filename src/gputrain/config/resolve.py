@@ -147,6 +147,16 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
+def local_processes(world_size: int) -> int:
+    """Processes of the job on this node: torchrun's ``LOCAL_WORLD_SIZE``, else the whole job (one node, or SLURM)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+
+
+def cores_per_process(processes: int) -> int:
+    """This process's share of the cores it may run on, among ``processes`` of its node (at least 1)."""
+    return max(usable_cores() // max(processes, 1), 1)
+
+
 def resolve_num_workers(value: int | str, *, cores: int, local_processes: int) -> int:
     """``value`` as a worker count: an int as given, ``auto`` as ``cores // local_processes``, capped.
 

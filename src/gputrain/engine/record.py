@@ -24,7 +24,7 @@ from gputrain.config.schema import RunConfig
 from gputrain.dist import DistInfo, comm, restart_attempt
 from gputrain.runs import folder as run_folder
 from gputrain.runs import membership
-from gputrain.runs.records import strict_json
+from gputrain.runs.records import append_record, last_event, strict_json
 
 if TYPE_CHECKING:
     from gputrain.checkpoint.state import TrainState
@@ -158,7 +158,7 @@ def write_summary(loop: Loop, out: Path, state: TrainState, metrics: dict[str, f
     }
     if loop.dist.is_main:
         summary |= membership.counts(out / "metrics.jsonl")  # an elastic job's restarts (issue 45)
-        pace = membership.last_record(out / "metrics.jsonl", "pace")  # the first steps' pace (issue 42)
+        pace = last_event(out / "metrics.jsonl", "pace")  # the first steps' pace (issue 42)
         if pace is not None:
             summary["pace"] = pace
         (out / "summary.json").write_text(strict_json(summary, indent=2))
@@ -178,7 +178,7 @@ def record_membership(loop: Loop, out: Path, resume: dict[str, Any], state: Trai
     record = membership.change_record(metrics=out / "metrics.jsonl", checkpoint=Path(resume["_path"]),
                                       step=state.global_step, epoch=state.epoch, before=before, after=after,
                                       global_batch=loop.global_batch)
-    membership.append(out / "metrics.jsonl", record)
+    append_record(out / "metrics.jsonl", record)
     print(f"gputrain: the job went from {before} to {after} process(es) and resumed at step {state.global_step}: "
           f"{record['seconds_lost']:.0f} s since that checkpoint, {record['samples_retrained']} sample(s) trained again",
           flush=True)

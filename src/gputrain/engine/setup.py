@@ -8,7 +8,6 @@ resolved config. The result, a :class:`Loop`, holds the built objects; nothing r
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,7 +19,7 @@ from torch.utils.data import DataLoader, Dataset
 from gputrain.checkpoint.checkpointer import Checkpointer, non_finite_error, resume_from
 from gputrain.checkpoint.state import Parts, TrainState, all_finite, check_same_run, restore, resumed_line
 from gputrain.checkpoint.store import CheckpointStore
-from gputrain.config.resolve import Facts, FastPath, resolve_run, usable_cores
+from gputrain.config.resolve import Facts, FastPath, local_processes, resolve_run, usable_cores
 from gputrain.config.schema import RunConfig
 from gputrain.data.mix import PairMixer
 from gputrain.data.samplers import SeededSamples, StepBatchSampler
@@ -99,7 +98,7 @@ class Loop:
 
 def resolved(cfg: RunConfig, dist: DistInfo, task: Task, resume: dict[str, Any] | None) -> tuple[RunConfig, FastPath]:
     """The run's config with every ``auto`` decided for this rank (:func:`~gputrain.config.resolve.resolve_run`)."""
-    facts = Facts(device=dist.device, local_processes=int(os.environ.get("LOCAL_WORLD_SIZE", dist.world_size)),
+    facts = Facts(device=dist.device, local_processes=local_processes(dist.world_size),
                   cores=usable_cores(), fixed_shapes=task.fixed_shapes,
                   normalizes_on_device=bool(getattr(task, "normalizes_on_device", False)),
                   dp_size=strategy_class(cfg.trainer.strategy).data_parallel_size(dist.world_size),

@@ -10,30 +10,20 @@ again (from the newest step ``metrics.jsonl`` logged before the restart). ``summ
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import Any
+
+from gputrain.runs.records import read_metrics
 
 EVENT = "membership"
 """A record's ``event`` when the world size changed; ``restart`` when the workers restarted on the same one."""
 
 
-def records(metrics: Path) -> list[dict[str, Any]]:
-    records = []
-    if metrics.is_file():
-        for line in metrics.read_text(encoding="utf-8").splitlines():
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:  # a line a killed rank left half written
-                continue
-    return records
-
-
 def change_record(*, metrics: Path, checkpoint: Path, step: int, epoch: int, before: int, after: int,
                   global_batch: int) -> dict[str, Any]:
     """The record of a resume after a restart: where, what changed, and what it cost."""
-    logged = [int(r["step"]) for r in records(metrics) if "event" not in r and isinstance(r.get("step"), int)]
+    logged = [int(r["step"]) for r in read_metrics(metrics) if "event" not in r and isinstance(r.get("step"), int)]
     redone = max(0, max(logged, default=step) - step)
     now = time.time()
     return {"time": round(now, 3), "event": EVENT if before != after else "restart", "epoch": epoch, "step": step,
@@ -42,20 +32,9 @@ def change_record(*, metrics: Path, checkpoint: Path, step: int, epoch: int, bef
             "samples_retrained": redone * global_batch}
 
 
-def append(metrics: Path, record: dict[str, Any]) -> None:
-    with metrics.open("a", encoding="utf-8") as f:
-        f.write(json.dumps(record) + "\n")
-
-
-def last_record(metrics: Path, event: str) -> dict[str, Any] | None:
-    """The last record of ``event`` in ``metrics`` (say ``"pace"``), without its event name; None when there is none."""
-    found = [r for r in records(metrics) if r.get("event") == event]
-    return {k: v for k, v in found[-1].items() if k != "event"} if found else None
-
-
 def counts(metrics: Path) -> dict[str, int]:
     """``summary.json``'s counts: membership changes and restarts on the same world size."""
-    events = [r.get("event") for r in records(metrics)]
+    events = [r.get("event") for r in read_metrics(metrics)]
     return {"membership_changes": events.count(EVENT), "restarts": events.count("restart")}
 
 

@@ -9,7 +9,6 @@ continuous curve. Samples are validation images spread over the set, drawn by th
 from __future__ import annotations
 
 import contextlib
-import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ from torch import nn
 from torch.utils.data import Dataset, default_collate
 
 from gputrain.extras import require
+from gputrain.runs.records import read_metrics as read_metrics  # what report and the pictures hook read
 
 METRICS = ("val/accuracy", "val/top5", "val/mIoU", "val/pixel_acc", "val/bbox_mAP", "val/segm_mAP")
 """Task metrics drawn beside the losses, where a run logged them."""
@@ -26,17 +26,6 @@ LOSSES = ("train/loss", "val/loss")
 
 Picture = tuple[torch.Tensor, str]
 """A ``uint8 (3, H, W)`` picture and its caption."""
-
-
-def read_metrics(path: str | Path) -> list[dict[str, Any]]:
-    """The records of a ``metrics.jsonl``; a line cut short by a crash (the last) is skipped."""
-    records = []
-    for line in Path(path).read_text(encoding="utf-8").splitlines():
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return records
 
 
 def epoch_curves(records: Sequence[dict[str, Any]]) -> dict[str, tuple[list[int], list[float]]]:

@@ -14,12 +14,12 @@ wait itself; with ``W`` workers that hold the step up, a step lasts ``r / W``), 
 from __future__ import annotations
 
 import math
-import os
 import time
 from typing import Any
 
+from gputrain.config.resolve import cores_per_process, local_processes
 from gputrain.engine.hooks import Hook, RunContext
-from gputrain.runs import membership
+from gputrain.runs.records import append_record
 
 PACE_STEPS = 20
 """Steps measured, after the first."""
@@ -88,14 +88,7 @@ class PaceHook(Hook):
         pace = {"event": EVENT, "after_step": ctx.state.global_step, "steps": len(self.walls), "step_s": round(step_s, 6),
                 "data_wait_s": round(wait_s, 6), "data_wait_share": round(wait_s / max(step_s, 1e-9), 4),
                 "num_workers": workers, "suggested_workers": suggested_workers(step_s, wait_s, workers)}
-        membership.append(ctx.out / "metrics.jsonl", pace)
-        line = pace_line(pace, cores=_cores_per_process(ctx))
+        append_record(ctx.out / "metrics.jsonl", pace)
+        line = pace_line(pace, cores=cores_per_process(local_processes(ctx.dist.world_size)))
         if line:
             print(line, flush=True)
-
-
-def _cores_per_process(ctx: RunContext) -> int:
-    from gputrain.config.resolve import usable_cores
-
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
-    return max(usable_cores() // max(local, 1), 1)

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from gputrain.config import RunConfig
-from gputrain.config.resolve import resolve_num_workers, usable_cores
+from gputrain.config.resolve import cores_per_process, resolve_num_workers, usable_cores
 
 SAMPLES = 16
 """Samples timed, spread over the training set (after one warm read: first reads open files and caches)."""
@@ -76,7 +76,7 @@ def input_plan(cfg: RunConfig, strategy: str, devices: int, images_per_s: float,
     loaders = devices if strategy in ("ddp", "fsdp") else 1
     needed = images_per_s / loaders
     per_worker = 1.0 / max(seconds_per_sample, 1e-9)
-    cores = max(usable_cores() // max(processes_per_node, 1), 1)
+    cores = cores_per_process(processes_per_node)
     workers = resolve_num_workers(cfg.data.num_workers, cores=usable_cores(), local_processes=processes_per_node)
     given = per_worker * workers if workers else per_worker
     suggested = max(1, math.ceil(needed * MARGIN / per_worker))
