@@ -444,7 +444,8 @@ FAULTS: tuple[Fault, ...] = (
     Fault("[30] memory.json gives every rank rank 0's measure", "src/gputrain/engine/callbacks/memory.py",
           (("ranks = comm.all_gather_objects(self.measured)",
             "ranks = [dict(self.measured or {}, rank=r) for r in range(ctx.dist.world_size)]"),),
-          ("tests/e2e/test_plan_measured.py::test_each_ranks_measured_memory_is_within_10_percent_of_the_plan",)),
+          # A pipeline's two stages differ; DDP's ranks measure alike, so rank 0's measure passes for both there.
+          ("tests/e2e/test_plan_measured.py::test_each_ranks_measured_memory_is_within_10_percent_of_the_plan[pipeline-gpipe]",)),
     Fault("[30] the peak-only tracker keeps the first snapshot, not the peak's", "src/gputrain/engine/callbacks/memory.py",
           (("                tracker._peak_mem_snap[device] = dict(snapshot)",
             "                tracker._peak_mem_snap.setdefault(device, dict(snapshot))"),),
@@ -1018,7 +1019,7 @@ FAULTS: tuple[Fault, ...] = (
     Fault("[30] DDP planned with a second gradient copy beside its buckets", "src/gputrain/tools/plan/plans.py",
           (("memory.step_memory(self.work, b, held_gradients=True))",
             "memory.step_memory(self.work, b, held_gradients=True)).plus(other=buckets)"),),
-          ("tests/e2e/test_plan_measured.py::test_each_ranks_measured_memory_is_within_10_percent_of_the_plan",)),
+          ("tests/e2e/test_plan_measured.py::test_each_ranks_measured_memory_is_within_10_percent_of_the_plan[ddp]",)),
     # -- src/gputrain/tools/predict/command.py ---------------------------------------------------------------
     Fault('predict writes into a non-empty --out', 'src/gputrain/tools/predict/command.py',
           (('        if not overwrite:\n            raise ValueError(f"--out {out} is not empty',

@@ -63,7 +63,7 @@ def test_a_deadlock_between_two_ranks_fails_at_the_limit_with_both_stacks(tmp_pa
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "hangs", "-o", "timeout_method=signal",
          "--rootdir", str(tmp_path), "-c", os.devnull, str(tmp_path / "test_deadlock.py")],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=140)
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=limit_s + 60)
     seconds = time.monotonic() - start
     output = proc.stdout + proc.stderr
     assert proc.returncode == 1, output[-3000:]

@@ -45,7 +45,7 @@ def _worker(info: Any, root: str) -> list[str]:
 
 
 def test_time_based_checkpoints_are_saved_at_the_same_steps_on_every_rank(tmp_path):
-    names = run_ranks(_worker, str(tmp_path), timeout_s=30)
+    names = run_ranks(_worker, str(tmp_path), timeout_s=20)  # 2-4 s; the faults make the ranks hang
     assert names[0] == names[1] and len(names[0]) >= 3, names  # 0.06 s apart over a 16-step epoch
 
 
