@@ -186,7 +186,8 @@ def _finish(job: Job, status: int | None) -> None:
 
 
 def run_jobs(jobs: list[Job], make: dict[int, object], parallel: int, report) -> None:
-    """Fork up to ``parallel`` jobs at a time; ``make[index]`` makes a job's copy just before it starts."""
+    """Fork up to ``parallel`` jobs at a time, in the order given; ``make[index]`` makes a job's copy just before it
+    starts."""
     waiting, running = list(jobs), {}
     while waiting or running:
         while waiting and len(running) < parallel:
@@ -283,7 +284,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(job.output()[-2000:], file=sys.stderr)
             shutil.rmtree(tmp_path / f"fault{job.index:03d}", ignore_errors=True)
 
-        run_jobs(jobs, makers, max(1, args.jobs), report)
+        # The longest first (by make test's report); the table below keeps the list's order.
+        order = suite_report.longest_first([j.tests for j in jobs])
+        run_jobs([jobs[i] for i in order], makers, max(1, args.jobs), report)
     survived = [j.name for j in jobs if j.outcome != "failed"]
     width = max(len(j.name) for j in jobs)
     cells = [short(j.node.split(" - ")[0]) if j.outcome == "failed" else j.outcome.upper() for j in jobs]

@@ -43,12 +43,34 @@ def _matches(selection: str, classname: str, name: str) -> bool:
     """Whether a JUnit test case (``classname``, ``name``) is one of ``selection``'s (a file or a pytest node id)."""
     path, *inside = selection.split("::")
     module = path.removesuffix(".py").replace("/", ".")
-    base = name.split("[")[0]  # a parametrised case: test_x[a-b]
+    # A parametrised case (test_x[a-b]) belongs to a selection of its test or of the case itself.
+    named = inside[-1] in (name, name.split("[")[0]) if inside else False
     if not inside:
         return classname == module or classname.startswith(module + ".")
     if len(inside) == 1:
-        return (classname == module and base == inside[0]) or classname == f"{module}.{inside[0]}"
-    return classname == f"{module}.{inside[0]}" and base == inside[1]
+        return (classname == module and named) or classname == f"{module}.{inside[0]}"
+    return classname == f"{module}.{inside[0]}" and named
+
+
+def _cases(report: Path) -> tuple[list[tuple[str, str, set[str], float]], float]:
+    """The report's test cases (class name, name, what they held, seconds) and when the suite started."""
+    suite = ET.parse(report).getroot()
+    suite = suite if suite.tag == "testsuite" else suite.find("testsuite")  # type: ignore[assignment]
+    started = datetime.datetime.fromisoformat(suite.get("timestamp", "")).timestamp()
+    return [(c.get("classname", ""), c.get("name", ""), {child.tag for child in c}, float(c.get("time") or 0))
+            for c in suite.iter("testcase")], started
+
+
+def longest_first(jobs: list[tuple[str, ...]], report: Path = REPORT) -> list[int]:
+    """The indexes of ``jobs`` (each a fault's test selections), the longest first by the seconds their tests took
+    in the report (setup included; none shown: 0, in the list's order). ``make mutants`` starts them in this order:
+    a long fault started last would run alone while the other cores idle."""
+    try:
+        cases, _ = _cases(report)
+    except (OSError, ET.ParseError, AttributeError, ValueError):
+        cases = []
+    took = [sum(t for s in job for classname, name, _, t in cases if _matches(s, classname, name)) for job in jobs]
+    return sorted(range(len(jobs)), key=lambda i: took[i], reverse=True)
 
 
 def unproven(selections: list[str], files: list[str], report: Path = REPORT, root: Path = ROOT
@@ -57,19 +79,16 @@ def unproven(selections: list[str], files: list[str], report: Path = REPORT, roo
     if not report.is_file():
         return list(selections), f"no report of make test ({report.name})"
     try:
-        suite = ET.parse(report).getroot()
-        suite = suite if suite.tag == "testsuite" else suite.find("testsuite")  # type: ignore[assignment]
-        started = datetime.datetime.fromisoformat(suite.get("timestamp", "")).timestamp()
+        cases, started = _cases(report)
     except (ET.ParseError, AttributeError, ValueError) as err:
         return list(selections), f"{report.name} cannot be read ({err})"
     changed = [f for f in files if (root / f).stat().st_mtime > started]
     if changed:
         return list(selections), f"{changed[0]} changed after make test started"
     # A case is passed, skipped (it skips in a fault's copy too: no verdict either way) or failed.
-    cases = [(c.get("classname", ""), c.get("name", ""), {child.tag for child in c}) for c in suite.iter("testcase")]
     missing = []
     for selection in selections:
-        tags = [t for classname, name, t in cases if _matches(selection, classname, name)]
+        tags = [t for classname, name, t, _ in cases if _matches(selection, classname, name)]
         if not any(not t & {"failure", "error", "skipped"} for t in tags) or any(t & {"failure", "error"} for t in tags):
             missing.append(selection)
     why = f"{len(missing)} not shown passing by {report.name}" if missing else ""

@@ -57,6 +57,13 @@ FAULTS: tuple[Fault, ...] = (
     Fault("[39] make mutants spares a selection make test showed failing", "scripts/suite_report.py",
           ((' or any(t & {"failure", "error"} for t in tags):', ":"),),
           ("tests/unit/test_suite_report.py::test_only_the_selections_make_test_showed_passing_are_spared",)),
+    Fault("[39] make mutants starts the quickest faults first, the longest last", "scripts/suite_report.py",
+          (("key=lambda i: took[i], reverse=True)", "key=lambda i: took[i])"),),
+          ("tests/unit/test_suite_report.py::test_make_mutants_starts_the_faults_whose_tests_took_longest_first",)),
+    Fault("[39] a parametrised case make test showed passing runs again as the baseline", "scripts/suite_report.py",
+          (("    named = inside[-1] in (name, name.split(\"[\")[0]) if inside else False",
+            "    named = inside[-1] == name.split(\"[\")[0] if inside else False"),),
+          ("tests/unit/test_suite_report.py::test_only_the_selections_make_test_showed_passing_are_spared",)),
     # -- src/gputrain/checkpoint/checkpointer.py -------------------------------------------------------------
     Fault('non-finite check removed from save_checkpoint', 'src/gputrain/checkpoint/checkpointer.py',
           (('if not (all_finite(parts, loss) if not in_background else loss is None or math.isfinite(loss)):',

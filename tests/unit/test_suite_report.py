@@ -24,10 +24,15 @@ def suite_report():
 
 
 CASES = '''
+import time
+
 import pytest
 
 def test_passes():
     pass
+
+def test_slow():
+    time.sleep(0.3)
 
 def test_fails():
     assert False
@@ -64,14 +69,25 @@ def tree(tmp_path_factory):
 def test_only_the_selections_make_test_showed_passing_are_spared(suite_report, tree):
     files = ["src.py", "tests/test_cases.py"]
     selections = ["tests/test_cases.py::test_passes", "tests/test_cases.py::test_each",
+                  "tests/test_cases.py::test_each[1]", "tests/test_cases.py::test_each[3]",
                   "tests/test_cases.py::TestGroup::test_inside", "tests/test_cases.py::TestGroup",
                   "tests/test_cases.py::test_fails", "tests/test_cases.py::test_skips",
                   "tests/test_cases.py::test_new", "tests/test_cases.py"]
     todo, why = suite_report.unproven(selections, files, report=tree / "report.xml", root=tree)
     # A failed test, one that only skipped, one the report lacks, and a file that holds a failure still run.
-    assert todo == ["tests/test_cases.py::test_fails", "tests/test_cases.py::test_skips",
-                    "tests/test_cases.py::test_new", "tests/test_cases.py"], why
-    assert why == "4 not shown passing by report.xml"
+    # A parametrised case is spared by its own passing, and runs where the report lacks it (test_each[3]).
+    assert todo == ["tests/test_cases.py::test_each[3]", "tests/test_cases.py::test_fails",
+                    "tests/test_cases.py::test_skips", "tests/test_cases.py::test_new", "tests/test_cases.py"], why
+    assert why == "5 not shown passing by report.xml"
+
+
+def test_make_mutants_starts_the_faults_whose_tests_took_longest_first(suite_report, tree):
+    jobs = [("tests/test_cases.py::test_passes",), ("tests/test_cases.py::test_new",),
+            ("tests/test_cases.py::test_fails", "tests/test_cases.py::test_slow"), ("tests/test_cases.py::test_each",)]
+    # test_slow's 0.3 s first; a selection the report lacks counts 0 s and keeps its place among the quick.
+    order = suite_report.longest_first(jobs, report=tree / "report.xml")
+    assert order[0] == 2 and sorted(order) == [0, 1, 2, 3]
+    assert suite_report.longest_first(jobs, report=tree / "absent.xml") == [0, 1, 2, 3]
 
 
 def test_a_file_changed_after_the_suite_started_voids_the_report(suite_report, tree, tmp_path):
