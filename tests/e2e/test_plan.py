@@ -207,7 +207,12 @@ def test_auto_chooses_a_plan_under_a_budget_that_single_exceeds_and_trains_it(pl
     saved = yaml.safe_load((out / "config.yaml").read_text())["trainer"]
     assert saved["strategy"] not in ("auto", "single") and saved["strategy"] in line
     assert saved["batch_size"] == (8 if saved["strategy"] in ("ddp", "fsdp") else 16)  # the same global batch, 16
-    assert (out / "summary.json").exists()
+    # The closed loop: the run holds the chosen plan's predictions beside what it measured.
+    assert len(saved["predicted_peak_bytes"]) == len(measured) and all(b > 0 for b in saved["predicted_peak_bytes"])
+    assert [r["predicted_bytes"] for r in measured] == saved["predicted_peak_bytes"]
+    assert all(r["prediction_off"] == round(r["predicted_bytes"] / r["peak_bytes"] - 1, 4) for r in measured)
+    pace = json.loads((out / "summary.json").read_text())["pace"]
+    assert pace["predicted_step_s"] == saved["predicted_step_s"] > 0 and "step_prediction_off" in pace
 
 
 def test_auto_chooses_what_the_whole_plan_chooses_with_less_counting(tmp_path):

@@ -123,6 +123,8 @@ RANGES: dict[str, Range] = {
     "trainer.dp_output_device": DEVICE_INDEX,
     "trainer.max_steps_per_epoch": COUNT_OR_OFF,
     "trainer.pictures": Range(ge=0, le=1024, example="0 draws no pictures"),
+    "trainer.predicted_step_s": Range(ge=0, le=10**6, example="0 compares nothing; --strategy auto sets it"),
+    "trainer.predicted_peak_bytes": Range(ge=1, le=2**60),
     "launch.nnodes": Range(ge=1, le=65536),
     "launch.max_nodes": Range(ge=0, le=65536),
     "launch.join_timeout_s": Range(ge=1, le=10**6),

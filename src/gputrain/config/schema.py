@@ -270,6 +270,12 @@ class TrainerConfig:
     measure_memory: bool = False
     """Measure each rank's memory over the first two optimizer steps into ``memory.json`` (max_memory_allocated on
     a GPU; torch's MemTracker on a CPU, which slows those two steps): what ``gputrain plan`` predicts, measured."""
+    predicted_step_s: float = 0.0
+    """The plan's step time for this run in seconds (0: none), set by ``--strategy auto``: the pace of the first
+    steps is set against it, with one line when they are more than 20 % apart (docs/plan.md)."""
+    predicted_peak_bytes: list[int] = field(default_factory=list)
+    """The plan's peak memory of each device, set by ``--strategy auto``: with ``trainer.measure_memory`` each rank's
+    measure in memory.json is set against it, with one line when one is more than 20 % apart."""
     pictures: int = 8
     """Validation images drawn in samples.png at the end of training (and sent to TensorBoard/W&B at each
     evaluation); curves.png is written beside it. 0 writes neither picture (docs/report.md)."""

@@ -182,6 +182,30 @@ class StepCounter:
         return sum(parts.values()), parts
 
 
+OFF_LIMIT = 0.2
+"""A plan's peak memory more than this far from a rank's measure (either way) is named in one line."""
+
+
+def set_against_plan(ranks: list[dict[str, Any]], predicted: list[int]) -> str:
+    """Each rank's measure given the plan's prediction for its device (``trainer.predicted_peak_bytes``, set by
+    ``--strategy auto``) and the prediction's error (+25 %: a quarter more than measured); the one line of the rank
+    furthest off when past :data:`OFF_LIMIT` (empty otherwise, or when nothing, or not one figure a rank, was
+    predicted)."""
+    if len(predicted) != len(ranks):
+        return ""
+    for rank in ranks:
+        want = predicted[rank["rank"]]
+        rank |= {"predicted_bytes": want, "prediction_off": round(want / max(rank["peak_bytes"], 1) - 1, 4)}
+    worst = max(ranks, key=lambda r: abs(r["prediction_off"]))
+    if abs(worst["prediction_off"]) <= OFF_LIMIT:
+        return ""
+    fix = ("it has less memory to spare than planned: lower trainer.batch_size if the device runs short"
+           if worst["prediction_off"] < 0 else "a larger trainer.batch_size may fit (gputrain plan shows the largest)")
+    return (f"gputrain: warning: rank {worst['rank']} held {worst['peak_bytes'] / 2**20:,.1f} MiB at its peak, the "
+            f"plan predicted {worst['predicted_bytes'] / 2**20:,.1f} MiB (prediction {worst['prediction_off']:+.0%}); "
+            f"{fix}")
+
+
 class MemoryHook(Hook):
     """Measures the first :data:`MEASURED_STEPS` optimizer steps of every rank; rank 0 writes ``memory.json``."""
 
@@ -225,10 +249,13 @@ class MemoryHook(Hook):
         self._stop(ctx)
         ranks = comm.all_gather_objects(self.measured)
         if ctx.dist.is_main:
+            line = set_against_plan(ranks, list(ctx.cfg.trainer.predicted_peak_bytes))
             (ctx.out / "memory.json").write_text(json.dumps({"ranks": ranks}, indent=2))
             worst = max(ranks, key=lambda r: r["peak_bytes"])
             print(f"memory: peak {worst['peak_bytes'] / 2**20:,.1f} MiB on rank {worst['rank']} over the first "
                   f"{worst['steps']} steps ({worst['how']}; every rank in {ctx.out / 'memory.json'})", flush=True)
+            if line:
+                print(line, flush=True)
 
     def on_exception(self, ctx: RunContext, error: BaseException) -> None:
         if self.counter is not None:  # leave no dispatch mode behind

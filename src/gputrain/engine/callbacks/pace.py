@@ -9,11 +9,16 @@ workers and warms the caches), up to :data:`PACE_STEPS`, or the first epoch's wh
 The workers to set: a worker reads a whole step's batches in ``r`` seconds (with ``data.num_workers=0`` that is the
 wait itself; with ``W`` workers that hold the step up, a step lasts ``r / W``), while the step computes for
 ``c`` = step - wait. ``r / c`` workers keep up; like the plan, the suggestion adds a quarter for bursts.
+
+Set against the plan: a run that ``--strategy auto`` chose gets the plan's step time (``trainer.predicted_step_s``),
+and the record holds it beside the measured compute time (the step less its data wait, what the plan times) with
+the prediction's error; past :data:`OFF_LIMIT`, one line says so.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import time
 from typing import Any
 
@@ -30,6 +35,8 @@ MIN_STEPS = 5
 MARGIN = 1.25
 """Suggested workers give this much more than the step needs (as the plan's suggestion)."""
 EVENT = "pace"
+OFF_LIMIT = 0.2
+"""A plan's step time more than this far from the measured one (either way) is named in one line."""
 
 
 def suggested_workers(step_s: float, wait_s: float, workers: int) -> int:
@@ -50,6 +57,18 @@ def pace_line(pace: dict[str, Any], cores: int) -> str:
         return (f"{held}; even {cores} worker(s) (this node's cores per process) would not keep up: lighter "
                 "transforms, smaller images or data.decode_on_device=true on a GPU")
     return f"{held}; set data.num_workers={wanted}"
+
+
+def prediction_line(pace: dict[str, Any], load: float, cores: int) -> str:
+    """The one line of a plan's step time more than :data:`OFF_LIMIT` from the measure (empty otherwise, or when
+    too few steps were measured or nothing was predicted). ``load`` and ``cores``: the node's, named when busy."""
+    off = pace.get("step_prediction_off")
+    if off is None or abs(off) <= OFF_LIMIT or pace["steps"] < MIN_STEPS:
+        return ""
+    busy = f"; this node's load average was {load:.1f} on {cores} cores" if load > cores else ""
+    return (f"gputrain: warning: the first {pace['steps']} steps computed for {pace['compute_s']:.3f} s each (data "
+            f"waits aside), the plan predicted {pace['predicted_step_s']:.3f} s (prediction {off:+.0%}){busy}; plan "
+            "again on this machine when it is idle (gputrain plan) if the chosen strategy looks wrong")
 
 
 class PaceHook(Hook):
@@ -88,7 +107,15 @@ class PaceHook(Hook):
         pace = {"event": EVENT, "after_step": ctx.state.global_step, "steps": len(self.walls), "step_s": round(step_s, 6),
                 "data_wait_s": round(wait_s, 6), "data_wait_share": round(wait_s / max(step_s, 1e-9), 4),
                 "num_workers": workers, "suggested_workers": suggested_workers(step_s, wait_s, workers)}
+        predicted = float(ctx.cfg.trainer.predicted_step_s)
+        if predicted > 0:  # the prediction's error, from the measure (+25 %: a quarter more than measured)
+            compute_s = max(step_s - wait_s, 1e-9)
+            pace |= {"compute_s": round(compute_s, 6), "predicted_step_s": predicted,
+                     "step_prediction_off": round(predicted / compute_s - 1, 4)}
         append_record(ctx.out / "metrics.jsonl", pace)
-        line = pace_line(pace, cores=cores_per_process(local_processes(ctx.dist.world_size)))
-        if line:
-            print(line, flush=True)
+        cores = os.cpu_count() or 1
+        load = os.getloadavg()[0] if ctx.dist.device.type == "cpu" and hasattr(os, "getloadavg") else 0.0
+        for line in (pace_line(pace, cores=cores_per_process(local_processes(ctx.dist.world_size))),
+                     prediction_line(pace, load=load, cores=cores)):
+            if line:
+                print(line, flush=True)

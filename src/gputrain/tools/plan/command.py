@@ -290,7 +290,7 @@ def auto_overrides(cfg: RunConfig, *, devices: int, nnodes: int, budget_text: st
     line = (f"gputrain: --strategy auto chose {c.label} on {c.devices} device(s){micro}{split}, batch {c.batch_size} "
             f"per process; predicted peak {per_device} per device (budget {format_bytes(report.budget)}), "
             f"{c.images_per_s:.1f} images/s")
-    return c.overrides(), line
+    return c.overrides() + c.predictions(), line
 
 
 def apply_plan(cfg: RunConfig, overrides: list[str]) -> None:

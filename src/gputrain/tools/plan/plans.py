@@ -80,6 +80,12 @@ class Plan:
             out.append("trainer.activation_checkpointing=true")
         return out
 
+    def predictions(self) -> list[str]:
+        """The config values that hand this plan's predictions to the run that trains it (the closed loop: the run
+        sets its first steps' pace and measured memory against them)."""
+        return [f"trainer.predicted_step_s={self.step_s:.6g}",
+                f"trainer.predicted_peak_bytes=[{','.join(str(m.peak) for m in self.per_device)}]"]
+
     def as_json(self) -> dict[str, Any]:
         worst = max(self.per_device, key=lambda m: m.peak)
         return {"strategy": self.strategy, "devices": self.devices, "batch_size": self.batch_size,
