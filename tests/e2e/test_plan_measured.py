@@ -177,11 +177,16 @@ def test_one_devices_run_measures_what_the_plan_counts(tmp_path):
 
 def test_doctor_compares_the_plan_with_its_dry_run(cifar, capsys, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # for its ranks, as the other commands' ranks here
-    assert main(["doctor", *RECIPE, "trainer.batch_size=8", "--data-root", str(cifar), "--json"]) == 0
-    finding = next(f for f in json.loads(capsys.readouterr().out)["findings"] if f["check"] == "plan")
+    assert main(["doctor", *RECIPE, "trainer.batch_size=8", "data.num_workers=0", "--data-root", str(cifar),
+                 "--json"]) == 0
+    findings = {f["check"]: f for f in json.loads(capsys.readouterr().out)["findings"]}
+    finding = findings["plan"]
     # Memory is counted the same way on both sides; a CPU's step time is left to the WARN it may give.
     assert finding["status"] in ("OK", "WARN") and "memory more than" not in finding["what"], finding
     assert "ddp on 2: memory predicted" in finding["what"] and "measured no steady step" not in finding["what"]
+    # The plan's loader rate beside the dry run's reads (a CPU's rates, like its step times, to the WARN they give).
+    loader = findings["input plan"]
+    assert loader["status"] in ("OK", "WARN") and "one loader worker predicted" in loader["what"], loader
 
 
 def test_a_prediction_more_than_15_percent_off_is_a_warning():

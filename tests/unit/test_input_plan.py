@@ -52,6 +52,14 @@ def test_reads_are_timed_as_a_worker_reads_them():
     assert time_reads(Slow()) == pytest.approx(SLEEP_S, rel=0.25, abs=0.005)
 
 
+def test_a_workers_collate_of_each_batch_is_counted_in_its_share():
+    def collate(batch):
+        time.sleep(0.04)  # 10 ms a sample in batches of 4
+        return batch
+
+    assert time_reads(Slow(), collate, batch_size=4) == pytest.approx(SLEEP_S + 0.01, rel=0.25, abs=0.005)
+
+
 def test_workers_the_step_needs_are_suggested_and_a_loader_slower_than_the_step_is_input_bound():
     cfg = load_config(None, ["data.num_workers=1"])
     # 100 images/s a worker; each of 2 ddp processes takes 15 images a 0.1 s step: 150/s.
@@ -84,3 +92,31 @@ def _recipe(tmp_path: Path) -> Path:
     path.write_text("task: test_input_plan:build\ndata:\n  num_workers: 0\ntrainer:\n  batch_size: 8\n"
                     "  accelerator: cpu\n")
     return path
+
+
+def test_doctor_sets_the_plans_loader_rate_against_its_dry_runs_reads():
+    from gputrain.tools.diagnose.outcome import RankOutcome
+    from gputrain.tools.diagnose.plan_check import check_input_plan
+
+    cfg = load_config(None, ["data.num_workers=0"])
+    loader = input_plan(cfg, *_plan(batch=8, step_s=0.5), 0.01, processes_per_node=2)  # 100 images/s a worker
+
+    def dry_run(wait_s: float, wall_s: float = 1.0) -> list[RankOutcome]:  # batches of 8, each waited for wait_s
+        # Steps 1 and 2 are the memory count's (slowed by it), 1 the epoch's first too: neither counted.
+        steps = [{"kind": "step", "step": k, "first_of_epoch": k == 1, "wait_s": 5.0 if k <= 2 else wait_s,
+                  "wall_s": wall_s, "batches": 1, "inputs": [8, 3, 32, 32]} for k in (1, 2, 3, 4)]
+        return [RankOutcome(rank=r, ok=True, records=steps) for r in (0, 1)]
+
+    close = check_input_plan(loader, dry_run(0.088))  # 91 images/s
+    assert close.status == "OK" and "predicted 100 images/s" in close.what and "(prediction +10%)" in close.what
+    far = check_input_plan(loader, dry_run(0.16))  # 50 images/s: the plan predicted twice that
+    assert far.status == "WARN" and "(prediction +100%)" in far.what and "size data.num_workers by it" in far.fix
+    busy = check_input_plan(loader, dry_run(0.16), busy="the machine was busy (load 5.0 on 2 cores)")
+    assert busy.status == "OK" and "not compared: the machine was busy" in busy.what
+    workers = input_plan(load_config(None, ["data.num_workers=2"]), *_plan(batch=8, step_s=0.5), 0.01,
+                         processes_per_node=1)
+    assert check_input_plan(workers, dry_run(0.16)).status == "SKIP"  # served from the prefetch: no rate to compare
+    assert check_input_plan(None, dry_run(0.16)).status == "SKIP"
+    # The same error beside a 10 s step: 80 ms a batch, under a twentieth of the step, turns no choice.
+    relaxed = check_input_plan(loader, dry_run(0.16, wall_s=10.0))
+    assert relaxed.status == "OK" and "not compared: 80.0 ms a batch, under 5% of the 9840 ms step" in relaxed.what

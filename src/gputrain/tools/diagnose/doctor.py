@@ -188,11 +188,14 @@ def run_doctor(cfg: RunConfig, *, devices: int | None = None, steps: int = 3, ti
     options = dry_run_options(cfg, world_size=world, steps=steps, out=out, timeout_s=timeout_s, accelerator=accelerator)
     if measured:
         progress.stage("planning the same run (gputrain plan) to compare with what the dry run measured")
-    plan = plan_check.predict(cfg, options, world, plan_check.trained_batch(outcomes)) if measured else None
+    plan, loader = (plan_check.predict(cfg, options, world, plan_check.trained_batch(outcomes)) if measured
+                    else (None, None))
     progress.close()
     report = analyse(cfg, outcomes, world_size=world, accelerator=accelerator, steps=steps, wall_s=wall, recipe=recipe)
     if plan is not None:
-        report.findings.append(plan_check.check_plan(plan, measured, outcomes, busy=plan_check.machine_busy(accelerator)))
+        busy = plan_check.machine_busy(accelerator)
+        report.findings += [plan_check.check_plan(plan, measured, outcomes, busy=busy),
+                            plan_check.check_input_plan(loader, outcomes, busy=busy)]
     return report
 
 

@@ -65,9 +65,10 @@ class Workload:
         samples = [data[i] for i in range(n)]
         from gputrain.tools.plan.input import time_reads
 
+        collate = spec.task.collate_fn() or default_collate
         return cls(cfg=cfg, model=spec.model, task=spec.task, samples=samples, device=device, precision=precision,
-                   split_points=tuple(cfg.parallel.split_points), _collate=spec.task.collate_fn() or default_collate,
-                   seconds_per_sample=time_reads(data))
+                   split_points=tuple(cfg.parallel.split_points), _collate=collate,
+                   seconds_per_sample=time_reads(data, collate, cfg.trainer.batch_size))
 
     def checkpointed(self) -> Workload:
         """The same run with ``trainer.activation_checkpointing=true`` (a checkpointed copy of the model; the notes
