@@ -107,10 +107,11 @@ def test_a_plans_step_time_far_from_the_measured_one_is_named_and_a_close_one_is
 
 def test_the_prediction_lines_name_the_error_its_sign_and_a_busy_node():
     pace = {"steps": 20, "compute_s": 0.1, "predicted_step_s": 0.07, "step_prediction_off": -0.3}
-    assert "(prediction -30%)" in prediction_line(pace, load=0.5, cores=2)
-    assert "load average was 5.0 on 2 cores" in prediction_line(pace, load=5.0, cores=2)
-    assert prediction_line({**pace, "step_prediction_off": 0.19}, load=0, cores=2) == ""
-    assert prediction_line({**pace, "steps": 4}, load=0, cores=2) == ""
+    assert "(prediction -30%); plan again" in prediction_line(pace)
+    busy = "the machine was busy (load 5.0 on 2 cores)"
+    assert "(prediction -30%); the machine was busy (load 5.0 on 2 cores); plan again" in prediction_line(pace, busy)
+    assert prediction_line({**pace, "step_prediction_off": 0.19}) == ""
+    assert prediction_line({**pace, "steps": 4}) == ""
     ranks = [{"rank": 0, "peak_bytes": 100 * 2**20}, {"rank": 1, "peak_bytes": 200 * 2**20}]
     line = set_against_plan(ranks, [110 * 2**20, 150 * 2**20])  # rank 0 +10 %, rank 1 -25 %
     assert [r["prediction_off"] for r in ranks] == [0.1, -0.25] and ranks[1]["predicted_bytes"] == 150 * 2**20

@@ -147,6 +147,13 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
+def machine_busy(device: str = "cpu") -> str:
+    """Why step times measured now mean little (a CPU whose load average exceeds its cores), or "" (the doctor's
+    comparison with the plan, and a run's pace against it)."""
+    load, cores = os.getloadavg()[0], os.cpu_count() or 1
+    return f"the machine was busy (load {load:.1f} on {cores} cores)" if device == "cpu" and load > cores else ""
+
+
 def local_processes(world_size: int) -> int:
     """Processes of the job on this node: torchrun's ``LOCAL_WORLD_SIZE``, else the whole job (one node, or SLURM)."""
     return int(os.environ.get("LOCAL_WORLD_SIZE", world_size))

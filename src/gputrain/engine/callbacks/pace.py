@@ -18,11 +18,10 @@ the prediction's error; past :data:`OFF_LIMIT`, one line says so.
 from __future__ import annotations
 
 import math
-import os
 import time
 from typing import Any
 
-from gputrain.config.resolve import cores_per_process, local_processes
+from gputrain.config.resolve import cores_per_process, local_processes, machine_busy
 from gputrain.engine.hooks import Hook, RunContext
 from gputrain.runs.records import append_record
 
@@ -59,16 +58,16 @@ def pace_line(pace: dict[str, Any], cores: int) -> str:
     return f"{held}; set data.num_workers={wanted}"
 
 
-def prediction_line(pace: dict[str, Any], load: float, cores: int) -> str:
+def prediction_line(pace: dict[str, Any], busy: str = "") -> str:
     """The one line of a plan's step time more than :data:`OFF_LIMIT` from the measure (empty otherwise, or when
-    too few steps were measured or nothing was predicted). ``load`` and ``cores``: the node's, named when busy."""
+    too few steps were measured or nothing was predicted); ``busy`` (:func:`machine_busy`) named in it."""
     off = pace.get("step_prediction_off")
     if off is None or abs(off) <= OFF_LIMIT or pace["steps"] < MIN_STEPS:
         return ""
-    busy = f"; this node's load average was {load:.1f} on {cores} cores" if load > cores else ""
     return (f"gputrain: warning: the first {pace['steps']} steps computed for {pace['compute_s']:.3f} s each (data "
-            f"waits aside), the plan predicted {pace['predicted_step_s']:.3f} s (prediction {off:+.0%}){busy}; plan "
-            "again on this machine when it is idle (gputrain plan) if the chosen strategy looks wrong")
+            f"waits aside), the plan predicted {pace['predicted_step_s']:.3f} s (prediction {off:+.0%})"
+            f"{f'; {busy}' if busy else ''}; plan again on this machine when it is idle (gputrain plan) if the chosen "
+            "strategy looks wrong")
 
 
 class PaceHook(Hook):
@@ -113,9 +112,8 @@ class PaceHook(Hook):
             pace |= {"compute_s": round(compute_s, 6), "predicted_step_s": predicted,
                      "step_prediction_off": round(predicted / compute_s - 1, 4)}
         append_record(ctx.out / "metrics.jsonl", pace)
-        cores = os.cpu_count() or 1
-        load = os.getloadavg()[0] if ctx.dist.device.type == "cpu" and hasattr(os, "getloadavg") else 0.0
+        busy = machine_busy(ctx.dist.device.type) if predicted > 0 else ""
         for line in (pace_line(pace, cores=cores_per_process(local_processes(ctx.dist.world_size))),
-                     prediction_line(pace, load=load, cores=cores)):
+                     prediction_line(pace, busy=busy)):
             if line:
                 print(line, flush=True)

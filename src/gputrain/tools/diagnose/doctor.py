@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from gputrain.config import RunConfig, TrainerConfig, load_config
+from gputrain.config.resolve import machine_busy
 from gputrain.dist import DistInfo
 from gputrain.engine.hooks import Hook, RunContext
 from gputrain.tools.diagnose import doctor_checks, headroom, plan_check, probes
@@ -193,7 +194,7 @@ def run_doctor(cfg: RunConfig, *, devices: int | None = None, steps: int = 3, ti
     progress.close()
     report = analyse(cfg, outcomes, world_size=world, accelerator=accelerator, steps=steps, wall_s=wall, recipe=recipe)
     if plan is not None:
-        busy = plan_check.machine_busy(accelerator)
+        busy = machine_busy(accelerator)
         report.findings += [plan_check.check_plan(plan, measured, outcomes, busy=busy),
                             plan_check.check_input_plan(loader, outcomes, busy=busy)]
     return report

@@ -61,17 +61,11 @@ def _apart(measured: float, predicted: float) -> float:
     return (predicted - measured) / measured if measured else 0.0
 
 
-def machine_busy(device: str = "cpu") -> str:
-    """Why step times measured now mean little (a CPU whose load average exceeds its cores), or ""."""
-    import os
-
-    load, cores = os.getloadavg()[0], os.cpu_count() or 1
-    return f"the machine was busy (load {load:.1f} on {cores} cores)" if device == "cpu" and load > cores else ""
 
 
 def check_plan(plan: Any, measured: list[dict[str, Any]] | None, outcomes: list[RankOutcome], busy: str = "") -> Finding:
     """Predicted per-device memory and step time against the dry run's. Each difference is the prediction's, from
-    the measure: ``+25%`` predicts a quarter more than was measured. ``busy`` (:func:`machine_busy`): step times are
+    the measure: ``+25%`` predicts a quarter more than was measured. ``busy`` (:func:`~gputrain.config.resolve.machine_busy`): step times are
     shown but not compared, and the line says why."""
     if isinstance(plan, str):
         return Finding("SKIP", "plan", plan)
