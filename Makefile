@@ -21,7 +21,7 @@ demo: $(STAMP)
 
 ## test: the whole suite, as CI runs it; its report (.test-results.xml) spares make mutants the tests it proved
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n 2 --dist worksteal --durations=20 --junitxml=.test-results.xml
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=20 --junitxml=.test-results.xml
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks scripts

@@ -1,14 +1,14 @@
 """The plan's loader rate against the run's (issue 42): one worker's images/s as ``gputrain plan`` predicts it,
 against what a training run measures, on the generated sets.
 
-Predicted: the figure the plan computes (``Workload.from_config(...).seconds_per_sample``: reads of the training
-set with the recipe's transforms, in one process). Measured: a run with ``data.num_workers=0``, whose training
-process reads each batch in series with the step, so that each batch's data wait is one reader's time for it
-(reads, transforms, collate); the run's ``pace`` record averages it over the steps after the first, and
-batch / wait is one reader's images/s. Rounds interleave the two (plan, run), and each run trains
-``--steps`` steps of the recipe at its batch of 8 on one CPU process (the model is the recipe's; only the loader
-is compared). Medians over rounds, and the median of the per-round ratios predicted/measured (the aim: within
-25 %).
+Predicted: the two figures the plan computes (``Workload.from_config(...)``: reads of the training set with the
+recipe's transforms and collate, timed in one real loader worker and in the training process). Measured, twice, by the run's own reader clock
+(``gputrain.data.reader_clock``: each reader times its reads and collates where it runs; the ``pace`` record's
+``reader_images_per_s``): in a run with ``data.num_workers=0``, whose training process reads between its steps, and
+in a run with ``data.num_workers=1``, whose one worker reads on a core of its own while the step runs on the other
+(what a worker does beside a GPU). Rounds interleave the three, and each run trains ``--steps`` steps of the recipe
+at its batch of 8 on one CPU process (the model is the recipe's; only the loader is compared). Medians over rounds,
+and the medians of the per-round ratios predicted/measured (the aim: within 25 %).
 
     python benchmarks/loader_rate.py [--rounds 3] [--steps 12] [--json out.json]
 """
@@ -37,29 +37,29 @@ SETS = {  # name: (kind, size, count, recipe, overrides)
 }
 
 
-def predicted(recipe: str, overrides: list[str]) -> float:
-    """One worker's images/s, as the plan computes it."""
+def predicted(recipe: str, overrides: list[str]) -> tuple[float, float]:
+    """(one loader worker's images/s, the training process's), as the plan computes them."""
     import torch
 
     from gputrain.config import load_config
     from gputrain.tools.plan.workload import Workload
 
     cfg = load_config(recipe, [*overrides, "trainer.accelerator=cpu", f"trainer.batch_size={BATCH}"])
-    return 1.0 / Workload.from_config(cfg, torch.device("cpu"), "32").seconds_per_sample
+    work = Workload.from_config(cfg, torch.device("cpu"), "32")
+    return 1.0 / (work.seconds_per_sample_in_worker or work.seconds_per_sample), 1.0 / work.seconds_per_sample
 
 
-def measured(recipe: str, overrides: list[str], out: Path, steps: int) -> float:
-    """One reader's images/s in a run with data.num_workers=0 (its pace record)."""
+def measured(recipe: str, overrides: list[str], out: Path, steps: int, workers: int) -> float:
+    """One reader's images/s in a run with ``workers`` loader workers (its pace record's reader clock)."""
     from gputrain.cli import main
 
     with contextlib.redirect_stdout(io.StringIO()):
         code = main(["train", recipe, *overrides, "--accelerator", "cpu", "--batch-size", str(BATCH), "--epochs", "1",
-                     "--out", str(out), "data.num_workers=0", f"trainer.max_steps_per_epoch={steps}",
+                     "--out", str(out), f"data.num_workers={workers}", f"trainer.max_steps_per_epoch={steps}",
                      "trainer.eval_every_n_epochs=2", "trainer.enable_checkpointing=false", "trainer.pictures=0",
                      "trainer.loggers=[]", "trainer.progress_bar=false"])
     assert code == 0, f"{recipe}: exit {code}"
-    pace = json.loads((out / "summary.json").read_text())["pace"]
-    return BATCH / pace["data_wait_s"]
+    return float(json.loads((out / "summary.json").read_text())["pace"]["reader_images_per_s"])
 
 
 def main() -> None:
@@ -81,14 +81,20 @@ def main() -> None:
             given = [*overrides, f"data.root={root}"]
             rows = []
             for k in range(args.rounds):
-                plan, run = predicted(recipe, given), measured(recipe, given, Path(tmp) / f"{kind}-{k}", args.steps)
-                rows.append({"predicted": plan, "measured": run, "ratio": plan / run})
-                print(f"{name}, round {k + 1}: plan {plan:.0f} images/s per worker, run {run:.0f} ({plan / run:.2f})",
-                      flush=True)
+                plan_worker, plan_inline = predicted(recipe, given)
+                inline, worker = (measured(recipe, given, Path(tmp) / f"{kind}-{k}-{w}", args.steps, w) for w in (0, 1))
+                rows.append({"plan_worker": plan_worker, "worker": worker, "ratio_worker": plan_worker / worker,
+                             "plan_in_process": plan_inline, "in_process": inline,
+                             "ratio_in_process": plan_inline / inline})
+                print(f"{name}, round {k + 1}: one worker: plan {plan_worker:.0f} images/s, run {worker:.0f} "
+                      f"({plan_worker / worker:.2f}); the training process: plan {plan_inline:.0f}, run {inline:.0f} "
+                      f"({plan_inline / inline:.2f})", flush=True)
             results[name] = {key: statistics.median(r[key] for r in rows) for key in rows[0]}
-    print("\n| set | plan, images/s per worker | run, one reader | plan / run |\n|---|---|---|---|")
+    print("\n| set | one worker: plan | run | plan / run | training process: plan | run | plan / run |\n"
+          "|---|---|---|---|---|---|---|")
     for name, r in results.items():
-        print(f"| {name} | {r['predicted']:.0f} | {r['measured']:.0f} | {r['ratio']:.2f} |")
+        print(f"| {name} | {r['plan_worker']:.0f} | {r['worker']:.0f} | {r['ratio_worker']:.2f} | "
+              f"{r['plan_in_process']:.0f} | {r['in_process']:.0f} | {r['ratio_in_process']:.2f} |")
     if args.json:
         meta = {"rounds": args.rounds, "steps": args.steps, "date": datetime.date.today().isoformat(),
                 "machine": platform.node(), "cores": os.cpu_count(), "torch": torch.__version__}

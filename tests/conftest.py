@@ -35,7 +35,18 @@ def _restore_environment():
         dist.destroy_process_group()
 
 
+TIERS = ("e2e", "distributed", "unit")
+"""Collection order, which ``make test`` keeps (``--dist loadfile --no-loadscope-reorder``: each file runs whole on
+one worker, so a module fixture such as a trained run is built once): the files of long tests first, the many
+short unit tests last, to even out the two workers' ends."""
+
+
 def pytest_collection_modifyitems(config, items):
+    def tier(item: pytest.Item) -> int:
+        parts = Path(str(item.path)).parts
+        return next((i for i, name in enumerate(TIERS) if name in parts), len(TIERS))
+
+    items.sort(key=tier)  # stable: each tier keeps its order
     for item in items:  # the default limit (pyproject.toml's timeout) is for the fast tier
         if "slow" in item.keywords and item.get_closest_marker("timeout") is None:
             item.add_marker(pytest.mark.timeout(SLOW_TIMEOUT_S))

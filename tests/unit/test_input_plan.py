@@ -43,6 +43,43 @@ def build(cfg):
                     train_data=Slow(), val_data=None)
 
 
+class SlowInWorkers(Slow):
+    """Reads that take ``SLEEP_S`` in a loader worker and nothing in the training process."""
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        from torch.utils.data import get_worker_info
+
+        if get_worker_info() is not None:
+            time.sleep(SLEEP_S)
+        return self.x[i], self.x[i].sum(0, keepdim=True)
+
+
+def build_slow_in_workers(cfg):
+    """``task: test_input_plan:build_slow_in_workers``."""
+    from gputrain.tasks.base import Task
+    from gputrain.tasks.spec import TaskSpec
+
+    return TaskSpec(task=Task(nn.functional.mse_loss), model=nn.Linear(8, 1), train_data=SlowInWorkers(sleep_s=0),
+                    val_data=None)
+
+
+class SlowStep(nn.Linear):
+    """A layer whose forward takes 100 ms: a step that consumes few images a second."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(0.1)
+        return super().forward(x)
+
+
+def build_slow_step(cfg):
+    """``task: test_input_plan:build_slow_step``: reads of 2 ms (500 a second a worker) for a 100 ms step of 8."""
+    from gputrain.tasks.base import Task
+    from gputrain.tasks.spec import TaskSpec
+
+    return TaskSpec(task=Task(nn.functional.mse_loss), model=SlowStep(8, 1), train_data=Slow(sleep_s=0.002),
+                    val_data=None)
+
+
 def _plan(**data: float) -> tuple[str, int, float]:
     """A ddp plan on 2 devices of ``batch`` each per ``step_s``: (strategy, devices, images/s)."""
     return "ddp", 2, 2 * data["batch"] / data["step_s"]
@@ -50,6 +87,17 @@ def _plan(**data: float) -> tuple[str, int, float]:
 
 def test_reads_are_timed_as_a_worker_reads_them():
     assert time_reads(Slow()) == pytest.approx(SLEEP_S, rel=0.25, abs=0.005)
+
+
+def test_a_worker_is_timed_even_where_the_set_holds_fewer_than_three_of_the_runs_batches():
+    """A recipe's batch of 256 over a sample of 64: the worker reads smaller batches, three of them at least (its
+    first is left out), rather than giving no figure."""
+    from torch.utils.data import default_collate
+
+    from gputrain.tools.plan.input import time_worker_reads
+
+    assert time_worker_reads(Slow(sleep_s=0.005), default_collate, batch_size=256) == pytest.approx(0.005, rel=0.25,
+                                                                                                     abs=0.002)
 
 
 def test_a_workers_collate_of_each_batch_is_counted_in_its_share():
@@ -83,15 +131,66 @@ def test_plan_says_a_slow_loader_is_input_bound_in_its_table_and_json(tmp_path, 
     assert code == 0
     loader = json.loads(out.read_text())["input"]
     assert loader["images_per_s_per_worker"] == pytest.approx(1 / SLEEP_S, rel=0.25)
+    assert loader["images_per_s_in_process"] == pytest.approx(1 / SLEEP_S, rel=0.25)
     assert loader["workers"] == 0 and not loader["keeps_up"] and loader["suggested_workers"] >= 1
     assert "input: " in capsys.readouterr().out
 
 
-def _recipe(tmp_path: Path) -> Path:
-    path = tmp_path / "slow.yaml"
-    path.write_text("task: test_input_plan:build\ndata:\n  num_workers: 0\ntrainer:\n  batch_size: 8\n"
+def test_the_plan_times_a_loader_worker_in_a_worker_and_the_training_process_in_itself(tmp_path, monkeypatch):
+    """A worker's reads are not the training process's (on the 2-core test machine a worker read CIFAR-10 3x
+    slower): the plan times each where it runs, and the line for data.num_workers=0 gives the in-process rate."""
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))
+    out = tmp_path / "plan.json"
+    assert main(["plan", str(_recipe(tmp_path, "build_slow_in_workers")), "--devices", "1", "--accelerator", "cpu",
+                 "--json", str(out)]) == 0
+    loader = json.loads(out.read_text())["input"]
+    assert loader["images_per_s_per_worker"] == pytest.approx(1 / SLEEP_S, rel=0.25)
+    assert loader["images_per_s_in_process"] > 10 / SLEEP_S  # the same reads without the worker's sleep
+
+
+def test_a_one_process_run_that_strategy_auto_planned_trains_with_every_setting_of_the_plan(tmp_path, monkeypatch):
+    """With one process there is no worker command line to carry the plan's settings: the run's own config takes
+    them too (its predictions and its loader workers, not only the strategy and the batch)."""
+    import yaml
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))
+    out = tmp_path / "run"
+    assert main(["train", str(_recipe(tmp_path, "build_slow_step", "auto")), "--devices", "1", "--strategy", "auto",
+                 "--epochs", "1", "--out", str(out), "trainer.max_steps_per_epoch=2", "trainer.pictures=0",
+                 "trainer.progress_bar=false"]) == 0
+    saved = yaml.safe_load((out / "config.yaml").read_text())
+    assert saved["data"]["num_workers"] == 1 and saved["trainer"]["strategy"] == "single"
+    assert saved["trainer"]["predicted_step_s"] > 0 and len(saved["trainer"]["predicted_peak_bytes"]) == 1
+
+
+def _recipe(tmp_path: Path, build: str = "build", workers: int | str = 0) -> Path:
+    path = tmp_path / f"{build}.yaml"
+    path.write_text(f"task: test_input_plan:{build}\ndata:\n  num_workers: {workers}\ntrainer:\n  batch_size: 8\n"
                     "  accelerator: cpu\n")
     return path
+
+
+def test_strategy_auto_gives_num_workers_auto_the_workers_its_step_needs_up_to_the_cores(tmp_path, monkeypatch):
+    """``--strategy auto`` with ``data.num_workers=auto``: the run gets the fewest workers that keep up with the
+    chosen plan's step (one for a 100 ms step of 8, where auto alone takes every core), and every core of the process
+    for a loader slower than any count of them; a count the user gave is left alone."""
+    from gputrain.config.resolve import resolve_num_workers, usable_cores
+    from gputrain.tools.plan.command import auto_overrides
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))
+    every_core = resolve_num_workers("auto", cores=usable_cores(), local_processes=1)
+
+    def planned(build: str, workers: int | str) -> tuple[list[str], str]:
+        return auto_overrides(load_config(str(_recipe(tmp_path, build, workers))), devices=1, nnodes=1,
+                              budget_text="")
+
+    overrides, line = planned("build_slow_step", "auto")
+    assert "data.num_workers=1" in overrides and overrides.count("data.num_workers=1") == 1
+    assert "; data.num_workers=auto: 1 loader worker(s) per process (" in line
+    slow, _ = planned("build", "auto")  # 50 images/s a worker against a step of a few ms: input-bound at any count
+    assert f"data.num_workers={every_core}" in slow
+    given, line = planned("build", 1)
+    assert not any(o.startswith("data.num_workers=") for o in given) and "loader worker" not in line
 
 
 def test_doctor_sets_the_plans_loader_rate_against_its_dry_runs_reads():

@@ -75,6 +75,10 @@ def test_a_loader_that_holds_the_steps_up_is_named_and_the_suggested_workers_rem
     kept, printed = _train(tmp_path, held["suggested_workers"], capsys)
     assert kept["data_wait_share"] < 0.2 and kept["data_wait_s"] < held["data_wait_s"] / 3
     assert "held up" not in printed
+    # Each reader's own rate, timed where it reads: the training process at 0 workers, the one worker at 1 (its
+    # reads run beside the step, so the step's wait no longer shows them).
+    for pace in (held, kept):
+        assert pace["readers"] == 1 and pace["reader_images_per_s"] == pytest.approx(1 / READ_S, rel=0.25)
 
 
 def test_the_suggestion_counts_the_workers_already_there_and_says_when_the_cores_fall_short():

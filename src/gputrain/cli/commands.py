@@ -102,6 +102,8 @@ def cmd_train(args: argparse.Namespace, argv: Sequence[str]) -> int:
         saved = load_checkpoint(cfg.trainer.resume)  # unreadable or truncated: one line naming the file, first
         check_same_run(saved.get("config") or {}, str(cfg.task), cfg.model.name, cfg.trainer.resume)  # another run's
     planned = _plan_strategy(cfg, args) if cfg.trainer.strategy == "auto" else []
+    if planned:  # every setting of the plan, here as in the workers (which load them from their command line)
+        cfg = load_config(args.recipe, [*_overrides(args), *planned])
     cfg, extra = _prepare(cfg, args)
     extra = [*planned, *extra]
     t = cfg.trainer
@@ -133,12 +135,11 @@ def _plan_strategy(cfg: RunConfig, args: argparse.Namespace) -> list[str]:
     if cfg.trainer.resume:
         raise ValueError("--strategy auto plans a new run; to continue one, give its strategy "
                          "(config.yaml in the run folder records the one auto chose)")
-    from gputrain.tools.plan.command import apply_plan, auto_overrides
+    from gputrain.tools.plan.command import auto_overrides
 
     overrides, line = auto_overrides(cfg, devices=cfg.trainer.devices, nnodes=cfg.launch.nnodes,
                                      budget_text=getattr(args, "memory_budget", "") or "")
     print(line, flush=True)
-    apply_plan(cfg, overrides)
     return overrides
 
 

@@ -44,7 +44,8 @@ class DataConfig:
     num_classes: int = 0
     """Class count for classification and segmentation; checked against the labels."""
     num_workers: int | str = 0
-    """DataLoader worker processes per rank, or ``auto``: the node's cores divided by its processes (capped)."""
+    """DataLoader worker processes per rank, or ``auto``: the node's cores divided by its processes (capped); under
+    ``--strategy auto``, the fewest of those that keep up with the chosen plan's step."""
     augment: bool = True
     """Random training augmentation where the task has one."""
     crop_scale: list[float] = field(default_factory=lambda: [0.08, 1.0])

@@ -6,6 +6,7 @@ from typing import Any
 
 from torch.utils.data import Subset
 
+from gputrain.data.reader_clock import TimedReads
 from gputrain.data.samplers import SeededSamples
 
 
@@ -13,7 +14,7 @@ def sample_file(dataset: Any, index: int) -> str:
     """The file of sample ``index`` of ``dataset``, through the wrappers gputrain and torch put around it; "" if the
     dataset does not say (tensors in memory, a dataset of the user's own without ``samples``)."""
     for _ in range(8):
-        if isinstance(dataset, SeededSamples):
+        if isinstance(dataset, (SeededSamples, TimedReads)):
             dataset = dataset.dataset
         elif isinstance(dataset, Subset):
             index, dataset = int(dataset.indices[index]), dataset.dataset

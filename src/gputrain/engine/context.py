@@ -35,6 +35,7 @@ def build_context(loop: Loop, *, config_dict: dict[str, Any], out: Path, resumed
         _train_indices=lambda limit: _first_batches(loop, limit),
         _eval_indices=lambda: _eval_indices(loop),
         _saved_at=saved_at if checkpointer is not None else lambda: None,
+        _reader_rate=loop.reader_clock.images_per_s if loop.reader_clock is not None else lambda: (0.0, 0),
     )
 
 

@@ -55,6 +55,7 @@ class RunContext:
     _train_indices: Callable[[int], list[int]]
     _eval_indices: Callable[[], tuple[list[int], int] | None]
     _saved_at: Callable[[], float | None] = lambda: None  # noqa: E731  (a run without checkpoints saves nothing)
+    _reader_rate: Callable[[], tuple[float, int]] = lambda: (0.0, 0)  # noqa: E731  (a run without a training loader)
     data_waits: list[float] = field(default_factory=list)
     """Seconds the last optimizer step waited for each of its batches (refilled by the engine every step)."""
 
@@ -87,6 +88,11 @@ class RunContext:
     def train_indices(self, limit: int) -> list[int]:
         """The sample indices of this rank's first ``limit`` batches of the current epoch (the framework's order)."""
         return self._train_indices(limit)
+
+    def reader_rate(self) -> tuple[float, int]:
+        """(one training-loader reader's images/s, reads and collates timed where they ran, over everything read
+        so far; the readers that read: the training process, or each loader worker). (0, 0) before any batch."""
+        return self._reader_rate()
 
     def eval_indices(self) -> tuple[list[int], int] | None:
         """This rank's evaluation indices and the validation set's length (None without validation data)."""

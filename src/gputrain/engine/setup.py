@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, default_collate
 
 from gputrain.checkpoint.checkpointer import Checkpointer, non_finite_error, resume_from
 from gputrain.checkpoint.state import Parts, TrainState, all_finite, check_same_run, restore, resumed_line
@@ -22,6 +22,7 @@ from gputrain.checkpoint.store import CheckpointStore
 from gputrain.config.resolve import Facts, FastPath, local_processes, resolve_run, usable_cores
 from gputrain.config.schema import RunConfig
 from gputrain.data.mix import PairMixer
+from gputrain.data.reader_clock import ReaderClock, TimedCollate, TimedReads
 from gputrain.data.samplers import SeededSamples, StepBatchSampler
 from gputrain.dist import DistInfo, comm
 from gputrain.engine.ema import WeightAverage
@@ -62,6 +63,8 @@ class Loop:
     """The moving average of the weights (``trainer.ema_decay``), or None."""
     mixer: PairMixer | None = None
     """MixUp/CutMix of the training batches (``data.mixup_alpha``, ``data.cutmix_alpha``), or None."""
+    reader_clock: ReaderClock | None = None
+    """How fast the training loader's readers read (the pace record's images/s per reader)."""
     skips: SkippedSteps = dataclasses.field(init=False)
     """Steps the loss scaler skipped (16-mixed), and the limit that ends a run."""
 
@@ -260,8 +263,12 @@ def train_loader(loop: Loop, data: Dataset) -> tuple[DataLoader, StepBatchSample
         from gputrain.data.synthetic import DeviceResidentSamples
 
         data = DeviceResidentSamples(data, loop.dist.device)
-    return DataLoader(SeededSamples(data, t.seed), batch_sampler=sampler,
-                      **_loader_options(loop, synthetic=synthetic)), sampler
+    options = _loader_options(loop, synthetic=synthetic)
+    # Each reader (this process or a worker) times its reads and collates: the run's images/s per loader worker.
+    loop.reader_clock = ReaderClock(options["num_workers"])
+    options["collate_fn"] = TimedCollate(options["collate_fn"] or default_collate, loop.reader_clock)
+    return DataLoader(TimedReads(SeededSamples(data, t.seed), loop.reader_clock), batch_sampler=sampler,
+                      **options), sampler
 
 
 def end_workers(*loaders: DataLoader | None) -> None:

@@ -10,6 +10,10 @@ The workers to set: a worker reads a whole step's batches in ``r`` seconds (with
 wait itself; with ``W`` workers that hold the step up, a step lasts ``r / W``), while the step computes for
 ``c`` = step - wait. ``r / c`` workers keep up; like the plan, the suggestion adds a quarter for bursts.
 
+Each reader of the training loader (the training process with ``data.num_workers=0``, else each worker) times its
+own reads and collates (:mod:`gputrain.data.reader_clock`): the record's ``reader_images_per_s`` is one reader's
+rate while it works, the run's figure for the plan's images/s per loader worker.
+
 Set against the plan: a run that ``--strategy auto`` chose gets the plan's step time (``trainer.predicted_step_s``),
 and the record holds it beside the measured compute time (the step less its data wait, what the plan times) with
 the prediction's error; past :data:`OFF_LIMIT`, one line says so.
@@ -106,6 +110,9 @@ class PaceHook(Hook):
         pace = {"event": EVENT, "after_step": ctx.state.global_step, "steps": len(self.walls), "step_s": round(step_s, 6),
                 "data_wait_s": round(wait_s, 6), "data_wait_share": round(wait_s / max(step_s, 1e-9), 4),
                 "num_workers": workers, "suggested_workers": suggested_workers(step_s, wait_s, workers)}
+        rate, readers = ctx.reader_rate()
+        if readers:  # what one reader gives, timed where it reads: the run's figure for the plan's rate per worker
+            pace |= {"reader_images_per_s": round(rate, 1), "readers": readers}
         predicted = float(ctx.cfg.trainer.predicted_step_s)
         if predicted > 0:  # the prediction's error, from the measure (+25 %: a quarter more than measured)
             compute_s = max(step_s - wait_s, 1e-9)

@@ -100,8 +100,8 @@ def check_input_plan(loader: Any, outcomes: list[RankOutcome], busy: str = "") -
     the dry run's few steps come from what they prefetched, which says nothing of their rate."""
     if loader is None:
         return Finding("SKIP", "input plan", "the plan has no input line (no plan of the dry run fits)")
-    predicted = loader.images_per_s_per_worker
     if loader.workers:
+        predicted = loader.images_per_s_per_worker
         return Finding("SKIP", "input plan", f"{predicted:.0f} images/s per loader worker predicted; with "
                        f"data.num_workers={loader.workers} the dry run's few steps come from what the workers "
                        "prefetched, which hides their rate (a run's pace record measures the wait over 20 steps)")
@@ -111,6 +111,7 @@ def check_input_plan(loader: Any, outcomes: list[RankOutcome], busy: str = "") -
              and isinstance(r["inputs"][0], int)]
     if not timed:
         return Finding("SKIP", "input plan", "no steady step of the dry run read its batch")
+    predicted = loader.images_per_s_in_process  # the reads in series with the step, as the dry run's
     samples = sum(r["inputs"][0] * r["batches"] for r in timed)
     measured = samples / sum(r["wait_s"] for r in timed)
     off = _apart(measured, predicted)
@@ -118,7 +119,7 @@ def check_input_plan(loader: Any, outcomes: list[RankOutcome], busy: str = "") -
     batch = samples / len(timed)
     cost = batch * abs(1 / measured - 1 / max(predicted, 1e-9))
     compute = statistics.median(r["wall_s"] - r["wait_s"] for r in timed)
-    what = (f"one loader worker predicted {predicted:.0f} images/s, the dry run's reads (data.num_workers=0) gave "
+    what = (f"the training process's reads predicted {predicted:.0f} images/s, the dry run's (data.num_workers=0) gave "
             f"{measured:.0f} (prediction {off:+.0%})")
     if busy:
         return Finding("OK", "input plan", f"{what}; not compared: {busy}")

@@ -163,7 +163,8 @@ def make_report(cfg: RunConfig, *, devices: int, nnodes: int = 1, budget_text: s
     from gputrain.strategies import processes_per_node
 
     loader = None if chosen is None else input_plan(
-        cfg, chosen.strategy, chosen.devices, chosen.images_per_s, work.seconds_per_sample,
+        cfg, chosen.strategy, chosen.devices, chosen.images_per_s,
+        work.seconds_per_sample_in_worker or work.seconds_per_sample, seconds_in_process=work.seconds_per_sample,
         processes_per_node=processes_per_node(chosen.strategy, devices))
     return Report(found, chosen, budget, source, str(device), precision, g, notes, time.perf_counter() - started,
                   loader)
@@ -290,12 +291,7 @@ def auto_overrides(cfg: RunConfig, *, devices: int, nnodes: int, budget_text: st
     line = (f"gputrain: --strategy auto chose {c.label} on {c.devices} device(s){micro}{split}, batch {c.batch_size} "
             f"per process; predicted peak {per_device} per device (budget {format_bytes(report.budget)}), "
             f"{c.images_per_s:.1f} images/s")
+    if cfg.data.num_workers == "auto" and report.input is not None:  # the input plan's count, not every core
+        override, note = report.input.auto_override()
+        return [*c.overrides(), *c.predictions(), override], f"{line}; {note}"
     return c.overrides() + c.predictions(), line
-
-
-def apply_plan(cfg: RunConfig, overrides: list[str]) -> None:
-    """Set, in the launcher's config, the fields it reads to start the ranks (the workers load the overrides)."""
-    values = dict(o.split("=", 1) for o in overrides)
-    cfg.trainer.strategy = values["trainer.strategy"]
-    cfg.trainer.batch_size = int(values["trainer.batch_size"])
-    cfg.trainer.devices = int(values.get("trainer.devices", cfg.trainer.devices))

@@ -41,7 +41,9 @@ class Workload:
     """Memory already counted for this model, by what was counted: plans that share a step share its count."""
     _meta_model: nn.Module | None = field(default=None, repr=False)
     seconds_per_sample: float = 0.0
-    """One training sample read as a loader worker reads it (decode and augment: :mod:`~gputrain.tools.plan.input`)."""
+    """One training sample read in this process (decode and augment: :mod:`~gputrain.tools.plan.input`)."""
+    seconds_per_sample_in_worker: float | None = None
+    """The same in a real loader worker (None: no worker could be timed)."""
 
     def meta_model(self) -> nn.Module:
         """The model on the meta device, made once: each pass on fake tensors copies it (no weights to copy)."""
@@ -63,12 +65,13 @@ class Workload:
         if n == 0:
             raise ValueError(f"data.root={cfg.data.root!r}: the training set is empty; planning reads a batch of it")
         samples = [data[i] for i in range(n)]
-        from gputrain.tools.plan.input import time_reads
+        from gputrain.tools.plan.input import time_reads, time_worker_reads
 
         collate = spec.task.collate_fn() or default_collate
         return cls(cfg=cfg, model=spec.model, task=spec.task, samples=samples, device=device, precision=precision,
                    split_points=tuple(cfg.parallel.split_points), _collate=collate,
-                   seconds_per_sample=time_reads(data, collate, cfg.trainer.batch_size))
+                   seconds_per_sample=time_reads(data, collate, cfg.trainer.batch_size),
+                   seconds_per_sample_in_worker=time_worker_reads(data, collate, cfg.trainer.batch_size))
 
     def checkpointed(self) -> Workload:
         """The same run with ``trainer.activation_checkpointing=true`` (a checkpointed copy of the model; the notes
