@@ -1,0 +1,110 @@
+"""An elastic job losing a node, run again and again (issue 45): what a membership change costs, and whether every run
+stays exact.
+
+Each round is the scale-down of ``tests/e2e/test_elastic.py``, with its helpers (``tests/elastic_runs.py``): two
+torchrun agents as two nodes on loopback, gloo, the same command line and ``--out``; when the checkpoint of step 4
+is written, the node that does not host the rendezvous store is SIGKILLed (agent and worker), and the other restarts
+its worker, which resumes on one process with the global batch kept. Per round: the wall time from both starts to
+the end, the membership record's ``seconds_lost`` (the last checkpoint's age when the node went, plus the restart
+to the resumed step) and ``samples_retrained``, the largest weight difference from an uninterrupted one-process run,
+and whether the samples the restarted worker read are exactly the epoch plan's from the resumed step on, each once.
+
+    python benchmarks/elastic.py [--rounds 5] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from elastic_runs import N, hosting, kill_node, membership, node, recipe, served, wait_for  # noqa: E402
+
+GLOBAL_BATCH = 4  # as tests/e2e/test_elastic.py
+
+
+def reference(root: Path) -> dict[str, torch.Tensor]:
+    """The uninterrupted run: one process, the same global batch."""
+    from gputrain.checkpoint import load_checkpoint
+    from gputrain.cli import main
+
+    assert main(["train", str(recipe(root)), "--batch-size", str(GLOBAL_BATCH), "--seed", "0", "--out",
+                 str(root / "run")]) == 0
+    return load_checkpoint(root / "run" / "checkpoints" / "last.pt")["model"]
+
+
+def one_round(root: Path, weights: dict[str, torch.Tensor]) -> dict[str, Any]:
+    from gputrain.checkpoint import load_checkpoint
+    from gputrain.data.samplers import EpochPlan
+    from gputrain.launcher.spec import free_port
+
+    root.mkdir(parents=True)
+    port, started = free_port(), time.monotonic()
+    a, b = node(root, port, "A"), node(root, port, "B")
+    try:
+        wait_for(lambda: (root / "run" / "checkpoints" / "step_000004.pt").is_file(), 120, "the checkpoint of step 4")
+        if hosting(port, [a.pid, b.pid]) == b.pid:
+            a, b = b, a
+        kill_node(b)
+        code = a.wait(timeout=180)
+    finally:
+        for proc in (a, b):
+            if proc.poll() is None:
+                kill_node(proc)
+    wall = time.monotonic() - started
+    changes = membership(root / "run")
+    ended = load_checkpoint(root / "run" / "checkpoints" / "last.pt")["model"] if code == 0 else None
+    change = changes[0] if len(changes) == 1 else {}
+    order = EpochPlan(N, seed=0, epoch=0, dp_size=1, batch_size=GLOBAL_BATCH).order
+    after = [index for _, ws, index in served(root) if ws == 1]
+    return {"exit": code, "wall_s": round(wall, 1), "changes": len(changes),
+            "seconds_lost": change.get("seconds_lost"), "samples_retrained": change.get("samples_retrained"),
+            "resumed_step": change.get("step"),
+            "max_weight_diff": None if ended is None else max(float((ended[k] - weights[k]).abs().max()) for k in weights),
+            "each_sample_once": bool(change) and after == order[change["step"] * GLOBAL_BATCH:]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="elastic-") as tmp:
+        weights = reference(Path(tmp) / "reference")
+        for k in range(args.rounds):
+            row = one_round(Path(tmp) / f"round{k}", weights)
+            rows.append(row)
+            print(f"round {k + 1}: {row}", flush=True)
+    exact = [r for r in rows if r["exit"] == 0 and r["changes"] == 1 and r["each_sample_once"]
+             and r["max_weight_diff"] is not None and r["max_weight_diff"] <= 1e-6]
+    print("\n| round | exit | wall s | seconds lost | samples retrained | resumed at step | max weight diff | each sample once |"
+          "\n|---|---|---|---|---|---|---|---|")
+    for k, r in enumerate(rows, 1):
+        print(f"| {k} | {r['exit']} | {r['wall_s']} | {r['seconds_lost']} | {r['samples_retrained']} | "
+              f"{r['resumed_step']} | {r['max_weight_diff']} | {r['each_sample_once']} |")
+    lost = [r["seconds_lost"] for r in rows if r["seconds_lost"] is not None]
+    print(f"\n{len(exact)} of {len(rows)} rounds exact (exit 0, one change, weights within 1e-6, each sample once); "
+          f"seconds lost per change: median {statistics.median(lost) if lost else 'n/a'}")
+    if args.json:
+        meta = {"date": datetime.date.today().isoformat(), "machine": platform.node(), "cores": os.cpu_count(),
+                "torch": torch.__version__}
+        args.json.write_text(json.dumps({"rounds": rows, "exact": len(exact), **meta}, indent=2) + "\n")
+    sys.exit(0 if len(exact) == len(rows) else 1)
+
+
+if __name__ == "__main__":
+    main()
