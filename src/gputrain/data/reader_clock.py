@@ -4,10 +4,11 @@ plan's images/s per loader worker).
 A reader is the training process itself (``data.num_workers=0``) or one loader worker. Each times its reads
 (``dataset[i]``: decode and transforms) and its collate of each batch, the two things a worker does, on its own
 clock: what it gives is its rate while it works, whatever the training step does meanwhile. Each reader's first
-batch is left out, as the plan leaves out its first read: it opens files and warms caches (and a worker's threads). It keeps its own sum in
-a plain float and publishes it once a batch to a slot of its own in shared memory, so the cost is two clock reads a
-sample and a few writes a batch (a tensor op a sample would add a quarter to CIFAR-10's 20 µs reads), and no two
-processes write the same slot.
+batch is left out, as the plan leaves out its first read: it opens files and warms caches (and a worker's threads).
+
+A reader keeps its own sum in a plain float and publishes it once a batch to a slot of its own in shared memory, so
+the cost is two clock reads a sample and a few writes a batch (a tensor op a sample would add a quarter to
+CIFAR-10's 20 µs reads), and no two processes write the same slot.
 """
 
 from __future__ import annotations
@@ -45,10 +46,8 @@ class ReaderClock:
 
     def images_per_s(self) -> tuple[float, int]:
         """(one reader's images/s over everything read so far, the readers that read); (0, 0) before any batch."""
-        seconds = [self._slots[2 * k] for k in range(len(self._slots) // 2)]
-        samples = [self._slots[2 * k + 1] for k in range(len(self._slots) // 2)]
-        readers = sum(1 for n in samples if n)
-        return (sum(samples) / sum(seconds) if sum(seconds) > 0 else 0.0), readers
+        seconds, samples = sum(self._slots[0::2]), self._slots[1::2]
+        return (sum(samples) / seconds if seconds > 0 else 0.0), sum(1 for n in samples if n)
 
 
 class TimedReads(Dataset):

@@ -78,8 +78,6 @@ def time_worker_reads(data: Any, collate: Callable[[list[Any]], Any], batch_size
                 break
     except (RuntimeError, pickle.PicklingError, AttributeError, TypeError):  # no worker: the in-process figure
         return None
-    finally:
-        del loader
     rate, readers = clock.images_per_s()
     return 1.0 / rate if readers else None
 
