@@ -96,8 +96,8 @@ def test_a_worker_is_timed_even_where_the_set_holds_fewer_than_three_of_the_runs
 
     from gputrain.tools.plan.input import time_worker_reads
 
-    assert time_worker_reads(Slow(sleep_s=0.005), default_collate, batch_size=256) == pytest.approx(0.005, rel=0.25,
-                                                                                                     abs=0.002)
+    seconds = time_worker_reads(Slow(sleep_s=0.005), default_collate, batch_size=256)
+    assert seconds is not None and 0.005 * 0.8 <= seconds <= 0.005 * 4  # a loaded machine only slows the reads
 
 
 def test_a_workers_collate_of_each_batch_is_counted_in_its_share():
@@ -105,7 +105,8 @@ def test_a_workers_collate_of_each_batch_is_counted_in_its_share():
         time.sleep(0.04)  # 10 ms a sample in batches of 4
         return batch
 
-    assert time_reads(Slow(), collate, batch_size=4) == pytest.approx(SLEEP_S + 0.01, rel=0.25, abs=0.005)
+    # At least the sleeps (a collate left out gives 20 ms); a loaded machine only adds to them.
+    assert 0.9 * (SLEEP_S + 0.01) <= time_reads(Slow(), collate, batch_size=4) <= 4 * (SLEEP_S + 0.01)
 
 
 def test_workers_the_step_needs_are_suggested_and_a_loader_slower_than_the_step_is_input_bound():
@@ -130,8 +131,9 @@ def test_plan_says_a_slow_loader_is_input_bound_in_its_table_and_json(tmp_path, 
     code = main(["plan", str(_recipe(tmp_path)), "--devices", "1", "--accelerator", "cpu", "--json", str(out)])
     assert code == 0
     loader = json.loads(out.read_text())["input"]
-    assert loader["images_per_s_per_worker"] == pytest.approx(1 / SLEEP_S, rel=0.25)
-    assert loader["images_per_s_in_process"] == pytest.approx(1 / SLEEP_S, rel=0.25)
+    # Bounds a loaded machine keeps (it only slows the reads); reads already made would give thousands a second.
+    assert 0.25 / SLEEP_S <= loader["images_per_s_per_worker"] <= 1.25 / SLEEP_S
+    assert 0.25 / SLEEP_S <= loader["images_per_s_in_process"] <= 1.25 / SLEEP_S
     assert loader["workers"] == 0 and not loader["keeps_up"] and loader["suggested_workers"] >= 1
     assert "input: " in capsys.readouterr().out
 
@@ -144,7 +146,7 @@ def test_the_plan_times_a_loader_worker_in_a_worker_and_the_training_process_in_
     assert main(["plan", str(_recipe(tmp_path, "build_slow_in_workers")), "--devices", "1", "--accelerator", "cpu",
                  "--json", str(out)]) == 0
     loader = json.loads(out.read_text())["input"]
-    assert loader["images_per_s_per_worker"] == pytest.approx(1 / SLEEP_S, rel=0.25)
+    assert 0.25 / SLEEP_S <= loader["images_per_s_per_worker"] <= 1.25 / SLEEP_S  # a loaded machine only slows it
     assert loader["images_per_s_in_process"] > 10 / SLEEP_S  # the same reads without the worker's sleep
 
 
