@@ -16,6 +16,7 @@ from gputrain.config import load_config
 from gputrain.data.imagefolder import ImageFiles
 from gputrain.data.images import DataError
 from gputrain.runs.loggers import JsonlLogger, strict_json
+from gputrain.runs.records import append_record
 from gputrain.tools.from_checkpoint import config_from_checkpoint, load_fitting, python_run_message
 from gputrain.tools.make_data import make_dataset
 
@@ -60,6 +61,23 @@ def test_metrics_jsonl_and_summaries_are_strict_json(tmp_path):
     record = _strict_loads((tmp_path / "metrics.jsonl").read_text())
     assert record["train/loss"] is None and record["val/loss"] is None and record["lr"] == 0.1 and record["n"] == 2.5
     assert _strict_loads(strict_json({"final": {"a": [1.0, -math.inf]}})) == {"final": {"a": [1.0, None]}}
+
+
+def test_events_appended_beside_the_logger_stay_whole_in_metrics_jsonl(tmp_path):
+    """The pace and membership records are appended to metrics.jsonl by another writer while the logger holds it
+    open. Fault: a fresh run's logger opened with "w", which writes at its own offset over the appended record
+    (it vanished, or left a torn line: a CI failure, 2026-11-29)."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"from": "an earlier run"}\n')
+    logger = JsonlLogger(path)  # a fresh run starts the file over
+    logger.log({"train/loss": 1.0}, step=1, epoch=0)
+    append_record(path, {"event": "pace", "steps": 3, "note": "an event longer than the logged line after it"})
+    logger.log({"train/loss": 0.5}, step=2, epoch=0)
+    logger.close()
+    records = [_strict_loads(line) for line in path.read_text().splitlines()]
+    assert [r.get("event", r.get("step")) for r in records] == [1, "pace", 2]
+    JsonlLogger(path, append=True).close()  # a resumed run continues it
+    assert len(path.read_text().splitlines()) == 3
 
 
 # -- checkpoint config and fit ----------------------------------------------------------------

@@ -158,7 +158,9 @@ def test_device_decode_on_cuda_is_nvjpeg_within_a_few_grey_levels(tmp_path: Path
     for path, pixels in zip(files, decoded, strict=True):
         reference = read_image_rgb(path)
         assert pixels.device.type == "cuda" and pixels.dtype == torch.uint8 and pixels.shape == reference.shape, path
-        assert (pixels.cpu().float() - reference.float()).abs().mean() <= 1.0, path
+        # Measured on an H200 (torch 2.11, TorchCodec 0.17, 2026-11-29): 1.23 grey levels on average for the
+        # baseline JPEG, whose chroma nvJPEG upsamples its own way; a wrong colour space or a shifted row is tens.
+        assert (pixels.cpu().float() - reference.float()).abs().mean() <= 2.0, path
     cut = EncodedImage(files[0].read_bytes()[:100], "cut.jpg", 0)  # ends inside the quantization tables
     with pytest.raises(DataError, match="image cut.jpg is unreadable"):
         decode_batch([read_encoded(str(files[0])), cut], device)

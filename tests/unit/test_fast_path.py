@@ -109,6 +109,39 @@ def test_the_segmentation_recipe_trains_in_mixed_precision_wherever_a_gpu_runs_i
     assert load_config("ade20k-deeplabv3plus", []).trainer.precision == "mixed"
 
 
+def test_fused_sgd_is_kept_out_of_16_mixed_where_torch_leaves_its_momentum_unset(monkeypatch):
+    """The DeepLabv3+ 16-mixed NaN (H200, 2026-11-29): fused SGD makes its momentum buffers with empty_like and
+    fills them in a kernel that skips an overflowed step, and 16-mixed's first step usually overflows. ``auto``
+    keeps SGD with momentum unfused under the loss scaler, and an explicit ``optim.fused=true`` is refused before
+    the run starts (on a GPU whose ``mixed`` became 16-mixed, when the rank resolves it)."""
+    # The reason, in the pinned torch: after a first step the scaler skipped, fused SGD holds a buffer it never wrote.
+    for fused in (False, True):
+        weight = torch.nn.Parameter(torch.ones(4))
+        optimizer = torch.optim.SGD([weight], lr=0.1, momentum=0.9, fused=fused)
+        scaler = torch.amp.GradScaler("cpu")
+        scaler.scale((weight * float("inf")).sum()).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        assert ("momentum_buffer" in optimizer.state[weight]) is fused
+    gpu = torch.device("cuda", 0)
+    sixteen = load_config("ade20k-deeplabv3plus", ["trainer.precision=16-mixed"])
+    assert sixteen.optim.name == "sgd" and sixteen.optim.momentum > 0
+    assert resolve(sixteen, gpu).fused_optimizer is False
+    assert resolve_run(sixteen, Facts(device=gpu))[0].optim.fused is False  # what config.yaml records
+    for still_fused in (["trainer.precision=bf16-mixed"], ["trainer.precision=16-mixed", "optim.name=adamw"],
+                        ["trainer.precision=16-mixed", "optim.momentum=0"]):
+        assert resolve(load_config("ade20k-deeplabv3plus", still_fused), gpu).fused_optimizer is True, still_fused
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: False)  # a V100, a T4
+    mixed = load_config("ade20k-deeplabv3plus", [])
+    assert resolve(mixed, gpu).fused_optimizer is False
+    asked = load_config("ade20k-deeplabv3plus", ["optim.fused=true"])
+    with pytest.raises(ValueError, match=r"^optim.fused=true with optim.name=sgd \(momentum\) and trainer.precision="
+                                         r"16-mixed: .*; set optim.fused=auto or false, or train at bf16-mixed$"):
+        resolve(asked, gpu)
+    with pytest.raises(ValueError, match=r"^optim.fused=true with optim.name=sgd"):
+        load_config("ade20k-deeplabv3plus", ["trainer.precision=16-mixed", "optim.fused=true"])
+
+
 @pytest.mark.parametrize(("override", "message"), [
     ("trainer.channels_last=maybe", "trainer.channels_last='maybe' must be auto, true or false"),
     ("optim.fused=sometimes", "optim.fused='sometimes' must be auto, true or false"),

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gputrain.config.augment_checks import check_augmentation
+from gputrain.config.resolve import FUSED_SGD_REFUSAL, fused_sgd_breaks
 from gputrain.config.schema import COMPILE_MODES, RunConfig
 
 INT32_MAX = 2**31 - 1
@@ -181,6 +182,8 @@ def check_combinations(cfg: RunConfig) -> None:
                         ("data.normalize_on_device", cfg.data.normalize_on_device)):
         if isinstance(value, str) and value != "auto":
             raise ValueError(f"{name}={value!r} must be auto, true or false (from Python: 'auto', True or False)")
+    if cfg.optim.fused is True and fused_sgd_breaks(cfg, str(t.precision)):
+        raise ValueError(FUSED_SGD_REFUSAL)
     if cfg.data.decode_on_device and (cfg.task != "classification" or cfg.data.format != "classfolder"):
         raise ValueError(f"data.decode_on_device=true decodes class-folder images (task classification, data.format="
                          f"classfolder), not task {cfg.task} with data.format={cfg.data.format or '(default)'}; set "

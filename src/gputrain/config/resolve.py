@@ -86,24 +86,45 @@ def resolve_run(cfg: RunConfig, facts: Facts) -> tuple[RunConfig, FastPath]:
     if t.reuse_host_memory is True and not glibc():
         raise ValueError("trainer.reuse_host_memory=true tunes glibc's allocator, and this system's C library is not "
                          "glibc; set trainer.reuse_host_memory=auto or false")
+    precision = resolve_precision(t.precision, facts.device)
     fast = FastPath(
         channels_last=_auto(t.channels_last, cuda and facts.fixed_shapes),
         compile_mode=t.compile_mode if t.compile else None,
-        fused_optimizer=_auto(o.fused, cuda),
+        fused_optimizer=_auto(o.fused, cuda and not fused_sgd_breaks(cfg, precision)),
         cudnn_benchmark=cuda and _auto(t.cudnn_benchmark, facts.fixed_shapes),  # cuDNN's: nothing to do elsewhere
         reuse_host_memory=_auto(t.reuse_host_memory, glibc()),
         normalize_on_device=facts.normalizes_on_device,
     )
+    if fast.fused_optimizer and fused_sgd_breaks(cfg, precision):  # `mixed` became 16-mixed on this GPU
+        raise ValueError(FUSED_SGD_REFUSAL)
     batch = resumed_batch_size(facts.saved_global_batch or t.batch_size * facts.dp_size * t.accumulate_grad_batches,
                                facts.dp_size, t.accumulate_grad_batches, t.batch_size, facts.resumed_from)
     trainer = dataclasses.replace(
-        t, precision=resolve_precision(t.precision, facts.device), batch_size=batch, channels_last=fast.channels_last,
+        t, precision=precision, batch_size=batch, channels_last=fast.channels_last,
         cudnn_benchmark=fast.cudnn_benchmark, reuse_host_memory=fast.reuse_host_memory)
     data = dataclasses.replace(cfg.data, normalize_on_device=fast.normalize_on_device, num_workers=resolve_num_workers(
         cfg.data.num_workers, cores=facts.cores, local_processes=facts.local_processes))
     resolved = dataclasses.replace(cfg, trainer=trainer, data=data,
                                    optim=dataclasses.replace(o, fused=fast.fused_optimizer))
     return resolved, fast
+
+
+def fused_sgd_breaks(cfg: RunConfig, precision: str) -> bool:
+    """Whether torch's fused SGD would corrupt this run: SGD with momentum under 16-mixed's loss scaler.
+
+    Fused SGD makes its momentum buffers with ``torch.empty_like`` on its first step and fills them in the kernel,
+    which returns early when the scaler found inf/NaN gradients. The first step of a float16 run usually overflows
+    (the scale starts at 2**16), so the buffers keep whatever memory they were given, and the next step writes
+    it into the weights: NaN, or activations beyond float32 (the DeepLabv3+ 16-mixed NaN on an H200, 2026-11-29;
+    torch 2.11 and 2.14). The other optimizers, and SGD after its first step, leave a skipped step untouched.
+    """
+    o = cfg.optim
+    return precision in ("16-mixed", "fp16-mixed") and o.name.lower() == "sgd" and o.momentum != 0
+
+
+FUSED_SGD_REFUSAL = ("optim.fused=true with optim.name=sgd (momentum) and trainer.precision=16-mixed: torch's fused "
+                     "SGD leaves its momentum unset when the loss scaler skips the first step, and the weights "
+                     "become NaN; set optim.fused=auto or false, or train at bf16-mixed")
 
 
 def _auto(value: bool | str, default: bool) -> bool:

@@ -32,7 +32,11 @@ class JsonlLogger(MetricLogger):
     """``metrics.jsonl``: one JSON object per logged step or epoch, flushed as written."""
 
     def __init__(self, path: Path, *, append: bool = False) -> None:
-        self.file = path.open("a" if append else "w", encoding="utf-8")
+        if not append:
+            path.write_text("", encoding="utf-8")
+        # Always in append mode: the run's events (pace, membership) are appended to the same file by other writers
+        # (runs.records.append_record), and a handle opened with "w" would write over them at its own offset.
+        self.file = path.open("a", encoding="utf-8")
 
     def log(self, metrics: dict[str, float], *, step: int, epoch: int) -> None:
         record = {"time": round(time.time(), 3), "epoch": epoch, "step": step, **metrics}

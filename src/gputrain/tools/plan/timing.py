@@ -13,11 +13,13 @@ rounding), added to every plan's prediction.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import statistics
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -104,22 +106,38 @@ def _sync(device: torch.device) -> None:
 
 
 def measure_step(work: Workload, batch_size: int, repeats: int = 3) -> Probe:
-    """Time real training steps of a copy of the model at ``batch_size`` (the user's model is left untouched)."""
+    """Time real training steps of a copy of the model at ``batch_size`` (the user's model is left untouched).
+
+    On CUDA the steps run with the run's memory format and cuDNN autotuner, and the peak counts from the first
+    step, as the run's ``memory.json`` does: the autotuner tries each convolution's kernels, workspaces and all,
+    there (the autoencoder's peak was 30% above a probe that left its first step out, H200, 2026-11-29).
+    """
     from gputrain.strategies.base import move_to_device
 
     device = work.device
-    model = copy.deepcopy(work.model).to(device).train()
+    cuda = device.type == "cuda"
+    model = copy.deepcopy(work.model)
+    autotune: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+    if cuda:
+        from gputrain.config.resolve import Facts, resolve_run
+        from gputrain.engine.fast import prepare_model
+
+        fast = resolve_run(work.cfg, Facts(device=device, fixed_shapes=work.task.fixed_shapes))[1]
+        model = prepare_model(model, fast)
+        cudnn = torch.backends.cudnn
+        autotune = cudnn.flags(enabled=cudnn.enabled, benchmark=fast.cudnn_benchmark,
+                               deterministic=cudnn.deterministic, allow_tf32=cudnn.allow_tf32)
+    model = model.to(device).train()
     optimizer = work.optimizer(model)
     inputs, targets = move_to_device(work.batch(batch_size), device)
-    cuda = device.type == "cuda"
-    with torch.random.fork_rng(devices=[device] if cuda else []):
+    with torch.random.fork_rng(devices=[device] if cuda else []), autotune:
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(device)
         start = time.perf_counter()
         work.train_step(model, optimizer, inputs, targets)  # warm-up: kernels chosen, optimizer state made
         _sync(device)
         if time.perf_counter() - start > LONG_STEP_S:
             repeats = 1  # a step of seconds (a large input on a CPU): its noise is small against it
-        if cuda:
-            torch.cuda.reset_peak_memory_stats(device)
         times = []
         for _ in range(repeats):
             start = time.perf_counter()
