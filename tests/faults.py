@@ -1461,8 +1461,8 @@ FAULTS: tuple[Fault, ...] = (
     Fault("[41] one process playing every rank sums their gradients instead of averaging",
           "src/gputrain/tools/diagnose/replay.py",
           (("                                     weight_scale=1.0 / dp)\n        record_pass(found, watch, finite, "
-            "float32=False)", "                                     weight_scale=1.0)\n        record_pass(found, "
-            "watch, finite, float32=False)"),),
+            "float32=False, model=loop.module)", "                                     weight_scale=1.0)\n        "
+            "record_pass(found, watch, finite, float32=False, model=loop.module)"),),
           (f"{NONFINITE_RANKS}::test_one_process_replaying_each_ranks_share_prints_the_runs_report",)),
     Fault("[41] the replay bundle is not a folder of gputrain's (--overwrite refuses the run)", "src/gputrain/runs/folder.py",
           (('"splits", "nonfinite"})', '"splits"})'),),
@@ -1480,6 +1480,14 @@ FAULTS: tuple[Fault, ...] = (
           (("from gputrain.extras import resolve\n", "from torch import nn\n\nfrom gputrain.extras import resolve\n"),),
           ("tests/unit/test_launcher_imports.py::test_the_checks_before_the_ranks_start_import_no_torch_for_any_built_in_recipe",)),
     # -- issue 41: what a new user met trying the report -----------------------------------------------------
+    Fault("[42g] a forward non-finite in float32 too leaves its module's weights out of the line",
+          "src/gputrain/engine/replay.py",
+          (("        found.forward_weights = largest_weight(model, watch.forward.module)\n", "        pass\n"),),
+          (f"{NONFINITE}::test_a_forward_that_overflows_float32_names_its_modules_weights",)),
+    Fault("[42g] the module's weights are read from the model's first module, not the one named",
+          "src/gputrain/engine/replay.py",
+          (("        if full and plain_name(full) == name:", "        if full:"),),
+          (f"{NONFINITE}::test_a_forward_that_overflows_float32_names_its_modules_weights",)),
     Fault("[41r] the suggested fp32_modules drop the modules already kept in float32", "src/gputrain/engine/verdict.py",
           (("            keep = [m for m in float32_modules or [] if m != bad.module]", "            keep = []"),),
           (f"{NONFINITE}::test_a_module_kept_in_float32_whose_output_overflows_the_next_float16_op_gets_both_in_the_fix",)),

@@ -7,7 +7,8 @@ report can name a file):
 - ``loud``: a module that multiplies by 1e5 at 16-mixed: kept in float32, the next float16 op overflows on its output;
 - ``sample``: one sample's file holds a NaN, at precision 32;
 - ``backward``: a module whose forward is finite and whose backward is NaN (the gradient of sqrt at 0);
-- ``lr``: finite gradients and an lr so large that the first optimizer step makes the weights inf.
+- ``lr``: finite gradients and an lr so large that the first optimizer step makes the weights inf;
+- ``grown``: weights as earlier steps can leave them (3e37, finite): the forward overflows float32 itself.
 """
 
 from __future__ import annotations
@@ -62,7 +63,11 @@ class SqrtAtZero(nn.Module):
 def model(cause: str) -> nn.Module:
     middle: nn.Module = {"overflow": Amplify(1e5), "loud": Scale(1e5), "backward": SqrtAtZero()}.get(cause, nn.Identity())
     torch.manual_seed(SEED)
-    return nn.Sequential(nn.Flatten(), nn.Linear(12, 16), middle, nn.ReLU(), nn.Linear(16, 3))
+    built = nn.Sequential(nn.Flatten(), nn.Linear(12, 16), middle, nn.ReLU(), nn.Linear(16, 3))
+    if cause == "grown":
+        with torch.no_grad():
+            built[1].weight.fill_(3e37)  # inputs of std 10: sums of 12 products beyond float32's 3.4e38
+    return built
 
 
 class FileSamples(Dataset):
@@ -99,7 +104,7 @@ def fail(root: Path, cause: str, *, devices: int = 1, fp32_modules: list[str] | 
          checkpoint_every: int = 0, strategy: str = "ddp", global_batch: int = 2) -> str:
     """Train the planted run; the NonFiniteError's line, or "" when it trained to the end."""
     # lr: inputs of std 10 make gradients above 1.2, which times lr 3e38 is beyond float32 on the first step
-    data = write_data(root / "data", nan_sample=cause == "sample", scale=10.0 if cause == "lr" else 1.0)
+    data = write_data(root / "data", nan_sample=cause == "sample", scale=10.0 if cause in ("lr", "grown") else 1.0)
     trainer = Trainer(out=str(root / "run"), overwrite=True, strategy=strategy if devices > 1 else "single",
                       devices=devices, accelerator="cpu", epochs=1, batch_size=global_batch // devices, seed=SEED,
                       precision="16-mixed" if cause in ("overflow", "loud") else "32", log_every_n_steps=8,

@@ -57,7 +57,9 @@ def test_two_rank_run_writes_one_set_of_outputs(two_rank_run):
     assert "global_batch=16" in done.stdout
     assert done.stdout.count("epoch 1:") == 1  # printed by rank 0 only
     assert sorted(p.name for p in out.glob("*.jsonl")) == ["metrics.jsonl"]
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["event"] for r in lines if "event" in r] == ["pace"]  # the run's first steps' pace, once (rank 0)
+    records = [r for r in lines if "event" not in r]
     epochs = [r for r in records if "val/loss" in r]
     steps = [r for r in records if "val/loss" not in r]
     assert [r["epoch"] for r in epochs] == [1, 2]

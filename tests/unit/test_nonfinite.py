@@ -76,6 +76,15 @@ def test_a_nan_made_in_the_backward_names_the_module_and_float32_does_not_remove
     assert "float32 does not make it finite, so precision is not the cause; fix: make the backward of 2 finite" in line
 
 
+def test_a_forward_that_overflows_float32_names_its_modules_weights(tmp_path):
+    """Weights grown huge by earlier steps (an H200 run's were, 2026-11-29: fused SGD under the loss scaler) make a
+    forward overflow in float32 too: the line gives the module's largest weight, which says where to look."""
+    line = fail(tmp_path, "grown")
+    assert "the first non-finite value is in 1 (Linear): its output became " in line
+    assert "(its weights up to 3e+37 in size), on rank 0" in line
+    assert "float32 does not make it finite, so precision is not the cause" in line
+
+
 def test_weights_made_non_finite_by_the_optimizer_step_name_the_step_not_a_module(tmp_path):
     line = fail(tmp_path, "lr")
     assert "replay of step 1 (epoch 1): the forward and backward are finite" in line

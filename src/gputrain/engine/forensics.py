@@ -245,7 +245,7 @@ def run_watched(loop: Loop, micros: list[Micro], found: Findings, *, finish: boo
     before = StateCopy(loop)
     loop.precision.begin_step(loop.module)
     watch, finite = watched_pass(loop.strategy, loop.module, micros, loop.task, loop.precision, float16=float16)
-    record_pass(found, watch, finite, float32=False)
+    record_pass(found, watch, finite, float32=False, model=loop.module)
     if finish:
         loop.strategy.finish_gradients(loop.module)
     outcome = step_outcome(loop)

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from gputrain.nn.watch import Event, Watch
+from gputrain.nn.watch import Event, Watch, plain_name
 from gputrain.precision import Precision
 from gputrain.strategies.base import MicroBatch, Strategy
 from gputrain.tasks.base import Task
@@ -42,6 +42,8 @@ class Findings:
     loss_gradient: str = ""
     """With no module to blame: the module whose output received a NaN/inf gradient from the loss's backward."""
     float32_finite: bool = True
+    forward_weights: float | None = None
+    """The largest |weight| of the module ``forward`` names, before the step (None: it holds none)."""
     outputs: dict[str, float] = field(default_factory=dict)
     gradients: dict[str, float] = field(default_factory=dict)
     outputs_float32: dict[str, float] = field(default_factory=dict)
@@ -104,19 +106,34 @@ def watched_pass(strategy: Strategy, module: nn.Module, micros: Sequence[Micro],
     return watch, finite
 
 
-def record_pass(found: Findings, watch: Watch, loss_finite: bool, *, float32: bool) -> None:
-    """Keep what a watched pass saw: its first bad modules, or (float32) whether it was finite."""
+def record_pass(found: Findings, watch: Watch, loss_finite: bool, *, float32: bool,
+                model: nn.Module | None = None) -> None:
+    """Keep what a watched pass saw: its first bad modules, or (float32) whether it was finite. ``model``: the
+    watched model, whose weights are still the step's starting ones (the optimizer has not stepped)."""
     if float32:
         found.float32_finite = (loss_finite and watch.forward is None and watch.backward is None
                                 and not watch.first_bad_output_gradient)
         found.outputs_float32, found.gradients_float32 = watch.outputs, watch.gradients
         return
     found.forward = asdict(watch.forward) if watch.forward else None
+    if watch.forward and model is not None:
+        found.forward_weights = largest_weight(model, watch.forward.module)
     found.beyond = asdict(watch.beyond) if watch.beyond and watch.forward else None
     found.backward = asdict(watch.backward) if watch.backward else None
     found.loss_finite = loss_finite
     found.loss_gradient = watch.first_bad_output_gradient if watch.backward is None else ""
     found.outputs, found.gradients = watch.outputs, watch.gradients
+
+
+def largest_weight(model: nn.Module, name: str) -> float | None:
+    """The largest |weight| of the module the watch calls ``name`` (this rank's shard under FSDP); None when it
+    holds no floating parameter of its own."""
+    for full, module in model.named_modules():
+        if full and plain_name(full) == name:
+            local = [p.to_local() if hasattr(p, "to_local") else p for p in module.parameters(recurse=False)]
+            peaks = [float(p.detach().abs().amax().float()) for p in local if p.is_floating_point() and p.numel()]
+            return max(peaks) if peaks else None
+    return None
 
 
 def largest_gradient(module: nn.Module) -> float:

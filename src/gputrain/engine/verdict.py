@@ -87,6 +87,8 @@ def decide(findings: list[Findings], outcome: StepOutcome, *, step: int, epoch: 
         source = event(found.beyond) if phase == "forward" else None
         after = (f", from values up to {source.value:.3g} out of {source.module} ({source.kind}), beyond float16's "
                  f"{FLOAT16_MAX:.0f}" if source else "")
+        if phase == "forward" and found.forward_weights is not None:  # weights grown by earlier steps show here
+            after += f" (its weights up to {found.forward_weights:.3g} in size)"
         return Report(
             f"replay of {at} at precision {precision}: the first non-finite value is in {bad.describe()}{after}, on rank "
             f"{found.rank} (samples {_samples(found.samples, sample_names)}); {verdict}; fix: {fix}",

@@ -104,7 +104,7 @@ def replay_bundle(path: str | Path, *, model: nn.Module | None = None, task: Tas
         loop.precision.begin_step(loop.module)
         watch, finite = watched_pass(loop.strategy, loop.module, share, loop.task, loop.precision, float16=float16,
                                      weight_scale=1.0 / dp)
-        record_pass(found, watch, finite, float32=False)
+        record_pass(found, watch, finite, float32=False, model=loop.module)
         before.restore_weights(loop)  # the next rank starts from the same weights and buffers
     outcome = step_outcome(loop)
     before.restore(loop)

@@ -18,6 +18,7 @@ import copy
 import dataclasses
 import statistics
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -105,12 +106,23 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+@contextlib.contextmanager
+def _cudnn_benchmark(on: bool) -> Iterator[None]:
+    """cuDNN's autotuner as the run sets it, for the probe's steps alone (the caller's setting is put back)."""
+    before = torch.backends.cudnn.benchmark
+    torch.backends.cudnn.benchmark = on
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.benchmark = before
+
+
 def measure_step(work: Workload, batch_size: int, repeats: int = 3) -> Probe:
     """Time real training steps of a copy of the model at ``batch_size`` (the user's model is left untouched).
 
     On CUDA the steps run with the run's memory format and cuDNN autotuner, and the peak counts from the first
     step, as the run's ``memory.json`` does: the autotuner tries each convolution's kernels, workspaces and all,
-    there (the autoencoder's peak was 30% above a probe that left its first step out, H200, 2026-11-29).
+    there. (A probe without them predicted the autoencoder's peak 30% low on an H200, 2026-11-29.)
     """
     from gputrain.strategies.base import move_to_device
 
@@ -124,9 +136,7 @@ def measure_step(work: Workload, batch_size: int, repeats: int = 3) -> Probe:
 
         fast = resolve_run(work.cfg, Facts(device=device, fixed_shapes=work.task.fixed_shapes))[1]
         model = prepare_model(model, fast)
-        cudnn = torch.backends.cudnn
-        autotune = cudnn.flags(enabled=cudnn.enabled, benchmark=fast.cudnn_benchmark,
-                               deterministic=cudnn.deterministic, allow_tf32=cudnn.allow_tf32)
+        autotune = _cudnn_benchmark(fast.cudnn_benchmark)
     model = model.to(device).train()
     optimizer = work.optimizer(model)
     inputs, targets = move_to_device(work.batch(batch_size), device)
