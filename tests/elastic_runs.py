@@ -3,6 +3,10 @@ the same ``--out`` (as nodes on a shared file system would be), for tests/e2e/te
 
 The task's training set records every sample it serves (process, world size, index) in ``served.txt`` beside the
 data, and reads slowly enough (``SLOW_S`` a sample) that a node can be stopped in the middle of the epoch.
+
+A node can also be stopped in the middle of a save (:func:`stop_in_the_save_of`): its worker's checkpoint-writing
+thread halts at its first ``fsync`` of that save, the shard it wrote not yet synced and the checkpoint not
+committed, and says so in a file, so the test can SIGKILL the node there.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -47,12 +52,46 @@ def model() -> nn.Module:
     return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
 
 
+STOP_FILE = "stop_in_save"
+"""In the data folder: ``NODE FOLDER``, the node whose worker halts in the save that writes ``FOLDER``."""
+
+
+def stop_in_the_save_of(root: Path, node_name: str, folder: str) -> Path:
+    """Arm node ``node_name`` to halt in the save that writes ``folder`` (a sharded checkpoint's ``.dcp`` folder);
+    returns the file that appears once it has halted there."""
+    (root / "data" / STOP_FILE).write_text(f"{node_name} {folder}")
+    return root / "data" / "halted_in_save"
+
+
+def _halt_in_a_save(data: Path, out: Path) -> None:
+    """In the first run's workers: every thread started from now on (DCP's writer among them) halts at its first
+    ``os.fsync`` once the armed node's armed save has begun (its folder exists), and stays there until killed."""
+    name = os.environ.get("ELASTIC_NODE", "")
+    if not name or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return
+
+    def trap(frame: Any, event: str, arg: Any) -> None:
+        if event != "c_call" or arg is not os.fsync:
+            return
+        try:
+            armed, folder = (data / STOP_FILE).read_text().split()
+        except (OSError, ValueError):
+            return
+        if armed == name and (out / "checkpoints" / folder).is_dir():
+            threading.setprofile(None)
+            (data / "halted_in_save").write_text(f"{name} {os.getpid()} {threading.current_thread().name}")
+            time.sleep(600)
+
+    threading.setprofile(trap)
+
+
 def build(cfg: Any) -> Any:
     """``task: elastic_runs:build``."""
     from gputrain.models import build_model
     from gputrain.tasks.base import Task
     from gputrain.tasks.spec import TaskSpec
 
+    _halt_in_a_save(Path(cfg.data.root), Path(cfg.trainer.out))
     return TaskSpec(task=Task(nn.functional.mse_loss), model=build_model(cfg.model.name),
                     train_data=Recorded(Path(cfg.data.root) / "served.txt"), val_data=None)
 
@@ -71,13 +110,13 @@ def recipe(root: Path) -> Path:
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")])}
 
 
-def node(root: Path, port: int, name: str) -> subprocess.Popen[str]:
+def node(root: Path, port: int, name: str, *overrides: str) -> subprocess.Popen[str]:
     """One node: ``gputrain train`` with its torchrun agent, in a session of its own; output in ``root/name.log``."""
     log = (root / f"{name}.log").open("w")
     return subprocess.Popen([sys.executable, "-m", "gputrain", "train", str(recipe(root)), "--nnodes", "1:2",
                              "--rdzv-endpoint", f"127.0.0.1:{port}", "--max-restarts", "3", "--out",
-                             str(root / "run"), "--seed", "0"], env=ENV, stdout=log, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+                             str(root / "run"), "--seed", "0", *overrides], env={**ENV, "ELASTIC_NODE": name},
+                            stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
 def hosting(port: int, pids: list[int]) -> int | None:

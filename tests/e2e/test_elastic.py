@@ -5,6 +5,8 @@ gloo, the same command line and the same ``--out`` (tests/elastic_runs.py).
   restarts it, the rendezvous goes on with one node, and the run resumes from the newest whole checkpoint on one
   process with the global batch kept. It ends with the weights of an uninterrupted one-process run, and the samples
   the restarted worker reads are exactly the epoch plan's from the checkpoint on, each once.
+- Killed during a save: with sharded checkpoints, node B is SIGKILLed while its writer thread is halted at its
+  first fsync of step 6's shards; step 6 is never committed, and the job resumes from step 4 with the same ending.
 - Scale-up is not tested: torch 2.14's agent, restarting the workers for a node that joined a running job, hangs in
   the next rendezvous here (raw torchrun as well; docs/fault-tolerance.md).
 - Below the fewest nodes: one line and a non-zero exit within the rendezvous timeout.
@@ -21,8 +23,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from elastic_runs import ENV, N, hosting, kill_node, membership, node, recipe, served, wait_for
-from gputrain.checkpoint import load_checkpoint
+import elastic_runs as el
+from gputrain.checkpoint import load_checkpoint, model_weights
 from gputrain.cli import main
 from gputrain.data.samplers import EpochPlan
 from gputrain.launcher.spec import free_port
@@ -35,58 +37,73 @@ GLOBAL_BATCH = 4
 def reference(tmp_path_factory) -> dict[str, torch.Tensor]:
     """The uninterrupted run: one process, the same global batch."""
     root = tmp_path_factory.mktemp("reference")
-    assert main(["train", str(recipe(root)), "--batch-size", str(GLOBAL_BATCH), "--seed", "0", "--out",
+    assert main(["train", str(el.recipe(root)), "--batch-size", str(GLOBAL_BATCH), "--seed", "0", "--out",
                  str(root / "run")]) == 0
     return load_checkpoint(root / "run" / "checkpoints" / "last.pt")["model"]
 
 
 def _close(reference: dict[str, torch.Tensor], run: Path) -> float:
-    weights = load_checkpoint(run / "checkpoints" / "last.pt")["model"]
+    weights = model_weights(run / "checkpoints" / "last.pt")  # a full checkpoint's, or a sharded one's folder
     return max(float((weights[k] - reference[k]).abs().max()) for k in reference)
 
 
 
-# About 30 s: two nodes start, one is killed, the other restarts, re-meets and finishes.
-def test_a_node_killed_mid_epoch_leaves_the_job_to_the_other_with_the_uninterrupted_weights(tmp_path, reference):
+# About 30 s each: two nodes start, one is killed, the other restarts, re-meets and finishes.
+@pytest.mark.parametrize("when", ["after a save", "during a sharded save"])
+def test_a_node_killed_mid_epoch_leaves_the_job_to_the_other_with_the_uninterrupted_weights(tmp_path, reference, when):
+    """After a save: node B goes once the checkpoint of step 4 is written. During a sharded save (each rank writes
+    its own shards): B's writer halts at its first fsync of step 6's folder, its shard written but not synced, and B
+    is killed there; step 6 is never committed, so the job resumes from step 4 and loses nothing."""
+    sharded = when == "during a sharded save"
     port = free_port()
     # Both start at once, so both meet in the first round; the one that does not host the rendezvous store goes.
-    a, b = node(tmp_path, port, "A"), node(tmp_path, port, "B")
+    overrides = ["parallel.sharded_checkpoint=true"] if sharded else []
+    names = {}
+    a, b = el.node(tmp_path, port, "A", *overrides), el.node(tmp_path, port, "B", *overrides)
+    names[a.pid], names[b.pid] = "A", "B"
     try:
         checkpoints = tmp_path / "run" / "checkpoints"
-        wait_for(lambda: (checkpoints / "step_000004.pt").is_file(), 120, "the checkpoint of step 4")
-        host = hosting(port, [a.pid, b.pid])
-        assert host is not None
-        if host == b.pid:
+        el.wait_for(lambda: el.hosting(port, [a.pid, b.pid]) is not None, 120, "the rendezvous store")
+        if el.hosting(port, [a.pid, b.pid]) == b.pid:
             a, b = b, a
-            (tmp_path / "A.log").rename(tmp_path / "host.log")
-            (tmp_path / "B.log").rename(tmp_path / "A.log")
-            (tmp_path / "host.log").rename(tmp_path / "B.log")
-        kill_node(b)
-        assert a.wait(timeout=180) == 0, (tmp_path / "A.log").read_text()[-3000:]
+        if sharded:
+            halted = el.stop_in_the_save_of(tmp_path, names[b.pid], "step_000006.dcp")
+            el.wait_for(halted.is_file, 120, f"node {names[b.pid]} halting in the save of step 6")
+            assert not (checkpoints / "step_000006.pt").exists()
+        else:
+            el.wait_for(lambda: (checkpoints / "step_000004.pt").is_file(), 120, "the checkpoint of step 4")
+        el.kill_node(b)
+        assert a.wait(timeout=180) == 0, (tmp_path / f"{names[a.pid]}.log").read_text()[-3000:]
     finally:
         for proc in (a, b):
             if proc.poll() is None:
-                kill_node(proc)
-    log = (tmp_path / "A.log").read_text()
+                el.kill_node(proc)
+    log = (tmp_path / f"{names[a.pid]}.log").read_text()
     assert "Traceback" not in log, log[-3000:]
-    [change] = membership(tmp_path / "run")
+    [change] = el.membership(tmp_path / "run")
     assert (change["event"], change["world_size_before"], change["world_size"]) == ("membership", 2, 1)
     assert change["seconds_lost"] > 0 and change["samples_retrained"] >= 0
     assert f"the job went from 2 to 1 process(es) and resumed at step {change['step']}" in log
+    if sharded:  # the newest committed checkpoint when B went: step 6's shards were never whole
+        assert change["step"] == 4, change
+        assert json.loads((tmp_path / "run" / "summary.json").read_text())["global_step"] == el.N // GLOBAL_BATCH
+        assert sorted(p.name for p in checkpoints.glob("*.dcp")) == sorted(
+            torch.load(p, weights_only=True)["sharded"] for p in checkpoints.glob("*.pt") if p.name != "last.pt"
+        ), "a folder no checkpoint names was left"
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["membership_changes"] == 1 and summary["world_size"] == 1
     assert _close(reference, tmp_path / "run") <= 1e-6
     # Every sample of the epoch from the resumed step on, each once, in the plan's order of one process.
-    order = EpochPlan(N, seed=0, epoch=0, dp_size=1, batch_size=GLOBAL_BATCH).order
-    after = [index for pid, ws, index in served(tmp_path) if ws == 1]
+    order = EpochPlan(el.N, seed=0, epoch=0, dp_size=1, batch_size=GLOBAL_BATCH).order
+    after = [index for pid, ws, index in el.served(tmp_path) if ws == 1]
     assert after == order[change["step"] * GLOBAL_BATCH:]
 
 
 def test_fewer_nodes_than_the_job_needs_end_in_one_line_within_the_rendezvous_timeout(tmp_path):
     start = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "gputrain", "train", str(recipe(tmp_path)), "--nnodes", "2:2",
+    done = subprocess.run([sys.executable, "-m", "gputrain", "train", str(el.recipe(tmp_path)), "--nnodes", "2:2",
                            "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--out", str(tmp_path / "run"),
-                           "launch.join_timeout_s=5"], env=ENV, capture_output=True, text=True, timeout=120)
+                           "launch.join_timeout_s=5"], env=el.ENV, capture_output=True, text=True, timeout=120)
     assert done.returncode != 0 and time.monotonic() - start < 5 + 30
     lines = done.stderr.strip().splitlines()
     assert lines[-1].startswith("gputrain: error: fewer than 2 node(s) met at the rendezvous 127.0.0.1:")
