@@ -1479,6 +1479,12 @@ FAULTS: tuple[Fault, ...] = (
     Fault("[39] the models package imports torch at import", "src/gputrain/models/__init__.py",
           (("from gputrain.extras import resolve\n", "from torch import nn\n\nfrom gputrain.extras import resolve\n"),),
           ("tests/unit/test_launcher_imports.py::test_the_checks_before_the_ranks_start_import_no_torch_for_any_built_in_recipe",)),
+    Fault("[nu5] a model.kwargs key the builder lacks reaches Python's TypeError", "src/gputrain/models/__init__.py",
+          (("    check_kwargs(builder, name, kwargs)\n", ""),),
+          ("tests/unit/test_zoo.py::test_a_builtin_or_users_builder_given_an_option_it_lacks_is_one_line_naming_the_closest",)),
+    Fault("[nu5] a misspelt config key is called a bad value", "src/gputrain/config/load.py",
+          (("if isinstance(err, ConfigAttributeError | ConfigKeyError) else", "if False else"),),
+          ("tests/unit/test_config_and_preflight.py::test_yaml_syntax_error_names_file_and_line",)),
     # -- issue 41: what a new user met trying the report -----------------------------------------------------
     Fault("[42g] a forward non-finite in float32 too leaves its module's weights out of the line",
           "src/gputrain/engine/replay.py",

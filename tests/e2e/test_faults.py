@@ -62,6 +62,7 @@ def test_rank_killed_mid_epoch_is_restarted_and_ends_with_the_uninterrupted_weig
     done = _train(recipe, out, "--max-restarts", "1", fault="kill", GPUTRAIN_TEST_FAULT_STEP="6")
     assert done.returncode == 0, done.stderr[-3000:]
     assert "resumed from" in done.stdout and "step_000004.pt" in done.stdout
+    assert "gputrain: the job restarted on its 2 process(es) and resumed at step 4" in done.stdout, done.stdout[-2000:]
     a, b = _weights(out), _weights(uninterrupted)
     assert all(torch.equal(a[k], b[k]) for k in a), "the restarted run must end bitwise equal"
     steps = [r["step"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "lr" in r]

@@ -39,9 +39,16 @@ def test_yaml_syntax_error_names_file_and_line(tmp_path):
     with pytest.raises(ValueError) as err:
         load_config(str(recipe))
     assert str(recipe) in str(err.value) and "line 4" in str(err.value) and "\n" not in str(err.value)
-    with pytest.raises(ValueError, match="trainer.epohcs.*Did you mean") as err:
+    with pytest.raises(ValueError, match="^unknown config key trainer.epohcs: .*Did you mean") as err:
         load_config("autoencoder", ["trainer.epohcs=3"])
     assert "\n" not in str(err.value)
+    # A misspelt key in the file is named as a key, a wrong value as a value (a new user read "bad value" as the
+    # value being wrong).
+    recipe.write_text("task: autoencoder\ntrainer:\n  epoch: 3\n")
+    with pytest.raises(ValueError, match=f"^recipe {recipe} line 3: unknown key trainer.epoch: .*fix the file$"):
+        load_config(str(recipe))
+    with pytest.raises(ValueError, match="^bad config value for trainer.epochs: Value 'three'"):
+        load_config("autoencoder", ["trainer.epochs=three"])
 
 
 # -- strict JSON ------------------------------------------------------------------------------

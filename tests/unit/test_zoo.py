@@ -169,3 +169,13 @@ def test_an_option_the_builder_sets_itself_says_to_drop_it_and_a_misspelled_one_
                                                "(check the spelling)")
     build_model("mobilenet_v3_small", num_classes=3, dropout=0.3)
     assert capsys.readouterr().err == ""
+
+
+def test_a_builtin_or_users_builder_given_an_option_it_lacks_is_one_line_naming_the_closest():
+    # Found by a new user (round 5): model.kwargs.widht reached Python's TypeError from inside the builder.
+    with pytest.raises(ValueError, match=r"^model.kwargs.widht: model.name='conv_autoencoder' takes no option 'widht'; "
+                                         r"drop it \(its options: weights_path\)$"):
+        build_model("conv_autoencoder", widht=3)
+    with pytest.raises(ValueError, match=r"takes no option 'num_clases'; did you mean model.kwargs.num_classes\?$"):
+        build_model("resnet18", num_clases=3)
+    assert build_model("resnet18", num_classes=3).fc.out_features == 3

@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
 from gputrain.config.checks import validate
 from gputrain.config.schema import RunConfig
@@ -65,7 +65,7 @@ def load_config(recipe: str | None = None, overrides: list[str] | None = None, *
     except OmegaConfBaseException as err:
         # OmegaConf names the dotted key (full_key) and the expected type; keep that, drop the noise.
         key = getattr(err, "full_key", None) or "?"
-        raise ValueError(f"bad config value for {key}: {first_line(err)}") from None
+        raise ValueError(f"{_what_is_wrong(err, 'config ')} {key}: {first_line(err)}") from None
     assert isinstance(cfg, RunConfig)
     validate(cfg)
     return cfg
@@ -199,4 +199,11 @@ def check_recipe_types(path: Path, layers: list[Any]) -> None:
         key = str(getattr(err, "full_key", None) or "")
         line = yaml_line(path, key) if key else None
         where = f"recipe {path}" + (f" line {line}" if line else "")
-        raise ValueError(f"{where}: bad value for {key or '?'}: {first_line(err)}; fix the file") from None
+        raise ValueError(f"{where}: {_what_is_wrong(err, '')} {key or '?'}: {first_line(err)}; "
+                         "fix the file") from None
+
+
+def _what_is_wrong(err: OmegaConfBaseException, config: str) -> str:
+    """A key no config has is a misspelt name, not a bad value: say which (a new user read "bad value" as the
+    value being wrong)."""
+    return f"unknown {config}key" if isinstance(err, ConfigAttributeError | ConfigKeyError) else f"bad {config}value for"

@@ -179,9 +179,10 @@ def record_membership(loop: Loop, out: Path, resume: dict[str, Any], state: Trai
                                       step=state.global_step, epoch=state.epoch, before=before, after=after,
                                       global_batch=loop.global_batch)
     append_record(out / "metrics.jsonl", record)
-    print(f"gputrain: the job went from {before} to {after} process(es) and resumed at step {state.global_step}: "
-          f"{record['seconds_lost']:.0f} s since that checkpoint, {record['samples_retrained']} sample(s) trained again",
-          flush=True)
+    change = (f"the job went from {before} to {after} process(es)" if before != after
+              else f"the job restarted on its {after} process(es)")
+    print(f"gputrain: {change} and resumed at step {state.global_step}: {record['seconds_lost']:.0f} s since that "
+          f"checkpoint, {record['samples_retrained']} sample(s) trained again", flush=True)
 
 
 def peak_memory_bytes(device: torch.device) -> int:

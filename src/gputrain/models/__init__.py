@@ -6,6 +6,9 @@ Model code knows nothing about parallelism: strategies wrap models, models never
 
 from __future__ import annotations
 
+import difflib
+import inspect
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from gputrain.extras import resolve
@@ -45,10 +48,30 @@ def build_model(name: str, **kwargs: Any) -> nn.Module:
         nn,  # here: the launcher checks a model's name (check_model_name) without importing torch
     )
 
-    model = resolve(target, field="model.name")(**kwargs)
+    builder = resolve(target, field="model.name")
+    check_kwargs(builder, name, kwargs)
+    model = builder(**kwargs)
     if not isinstance(model, nn.Module):
         raise TypeError(f"model.name={name!r} returned {type(model).__name__}, not an nn.Module")
     return model
+
+
+def check_kwargs(builder: Callable[..., Any], name: str, kwargs: dict[str, Any]) -> None:
+    """Refuse in one line a ``model.kwargs`` key that ``builder`` takes no argument of (a misspelt option would
+    otherwise end in Python's TypeError from inside the builder); the closest option it takes is named."""
+    try:
+        params = inspect.signature(builder).parameters.values()
+    except (TypeError, ValueError):  # a builtin without a signature: let the call say
+        return
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return
+    accepted = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    for key in kwargs:
+        if key not in accepted:
+            close = difflib.get_close_matches(key, accepted, n=1)
+            hint = (f"did you mean model.kwargs.{close[0]}?" if close
+                    else f"drop it (its options: {', '.join(accepted) or 'none'})")
+            raise ValueError(f"model.kwargs.{key}: model.name={name!r} takes no option {key!r}; {hint}")
 
 
 def check_model_name(name: str, kind: str) -> None:
