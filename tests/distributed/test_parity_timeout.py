@@ -56,8 +56,8 @@ def test_a_mode_that_times_out_is_named_as_that_modes_timeout_and_neither_its_pr
                           progress=Progress("gputrain parity", stream=said))
     rows = {r.mode: r for r in report.rows}
     assert said.getvalue().splitlines() == [  # what it runs, while it runs: the retry's launch too
-        "gputrain parity: [1/4] mode single: 2 steps x 1 epochs in this process",
-        "gputrain parity: [2/4] modes ddp, fsdp, pipeline: on 2 ranks, one after another",
+        "gputrain parity: [1/2] mode single: 2 steps x 1 epochs in this process",
+        "gputrain parity: [2/2] modes ddp, fsdp, pipeline: on 2 ranks, one after another",
         "gputrain parity: [3/3] mode pipeline: on 2 ranks, one after another"]
     assert rows["ddp"].status == "PASS", report.format()  # finished before the failure: kept
     assert rows["fsdp"].status == "FAIL", report.format()

@@ -87,7 +87,7 @@ def test_masks_of_images_of_other_shapes_are_whole_image_predictions_in_rows_and
 def test_output_names_stay_unique_where_a_numbered_stem_is_also_a_files_own(tmp_path: Path) -> None:
     """a/x.png, b/x.png, c/x_2.png and d/x.png: the second x is numbered x_2, so c's own x_2 must become x_2_2 and
     the third x x_3, never a second x_2 whose mask and overlay would overwrite b's."""
-    from gputrain.tools.predict.run import list_inputs
+    from gputrain.tools.predict.run import list_inputs, write_renamed
 
     for name in ("a/x.png", "b/x.png", "c/x_2.png", "c/y.png", "d/x.png"):
         (tmp_path / name).parent.mkdir(exist_ok=True)
@@ -95,6 +95,13 @@ def test_output_names_stay_unique_where_a_numbered_stem_is_also_a_files_own(tmp_
     inputs = list_inputs([str(tmp_path / d) for d in ("a", "b", "c", "d")])
     assert [(i.path.relative_to(tmp_path).as_posix(), i.stem) for i in inputs] == [
         ("a/x.png", "x"), ("b/x.png", "x_2"), ("c/x_2.png", "x_2_2"), ("c/y.png", "y"), ("d/x.png", "x_3")]
+    # inputs.csv names the file of each output (a new user could not tell which frame_0000_2 was whose).
+    write_renamed(inputs, tmp_path)
+    rows = (tmp_path / "inputs.csv").read_text().splitlines()
+    assert rows[0] == "name,file" and rows[2] == f"x_2,{tmp_path / 'b/x.png'}" and len(rows) == 6
+    (tmp_path / "inputs.csv").unlink()
+    write_renamed(list_inputs([str(tmp_path / "c")]), tmp_path)  # x_2.png and y.png keep their names: no file
+    assert not (tmp_path / "inputs.csv").exists()
 
 
 def test_two_processes_write_the_same_files(ade: Path) -> None:

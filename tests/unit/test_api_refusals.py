@@ -93,3 +93,19 @@ def test_resuming_another_recipes_checkpoint_names_the_task_and_model_first(tmp_
 @pytest.mark.parametrize("alias", ["32-true", "fp32", "fp16-mixed"])
 def test_the_documented_precision_aliases_are_accepted(alias):
     Trainer(precision=alias)  # docs/precision.md: aliases work in Trainer(precision=...) and as overrides
+
+
+def test_the_python_apis_refusals_name_its_own_arguments(tmp_path):
+    """Found by a new user (round 5): Trainer(epoch=3) listed 60 options without the near one, and a second run into
+    one folder was told to use --resume auto and --overwrite, flags the Python API does not have."""
+    with pytest.raises(TypeError, match=r"^unknown Trainer option\(s\) \['epoch'\] \(epoch: did you mean epochs\?\); "):
+        Trainer(epoch=3)
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "notes.txt").write_text("a run's")
+    data = TensorDataset(torch.randn(8, 4), torch.randn(8, 3))
+    trainer = Trainer(accelerator="cpu", epochs=1, batch_size=4, out=str(tmp_path / "run"), loggers=[],
+                      progress_bar=False, pictures=0)
+    with pytest.raises(ValueError) as caught:
+        trainer.fit(torch.nn.Linear(4, 3), data, loss=F.mse_loss)
+    assert str(caught.value) == (f"run folder {tmp_path / 'run'} is not empty; continue that run with resume=\"auto\", "
+                                 "or replace it with overwrite=True (deletes its contents), or choose another out")

@@ -195,3 +195,14 @@ def test_images_of_different_sizes_name_the_first_odd_file(tmp_path):
     assert str(files[2]) in str(err.value) and "33x32" in str(err.value) and "41x40" in str(err.value)
     assert "data.image_size" in str(err.value)
     assert ImageFiles(files, image_size=16)[2].shape == (3, 16, 16)  # resized: no check needed
+
+
+def test_a_missing_data_root_beside_a_folder_of_a_near_name_names_that_folder(tmp_path):
+    """Found by a new user (round 5): data/frame (for data/frames) was told to make sample data into data/frame."""
+    from gputrain.cli.preflight import check_data_paths
+
+    (tmp_path / "frames").mkdir()
+    with pytest.raises(FileNotFoundError, match=rf"does not exist; did you mean {tmp_path / 'frames'}\? Else make "):
+        check_data_paths(load_config("autoencoder", [f"data.root={tmp_path / 'frame'}"]))
+    with pytest.raises(FileNotFoundError, match=r"does not exist; make sample data with "):
+        check_data_paths(load_config("autoencoder", [f"data.root={tmp_path / 'elsewhere'}"]))

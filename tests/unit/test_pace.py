@@ -95,15 +95,17 @@ def test_the_suggestion_counts_the_workers_already_there_and_says_when_the_cores
 
 def test_a_plans_step_time_far_from_the_measured_one_is_named_and_a_close_one_is_not(tmp_path, capsys, monkeypatch):
     """What --strategy auto hands the run (trainer.predicted_step_s) set against the steps' compute time: the 60 ms
-    step predicted at 6 ms is named, at 60 ms it is not."""
+    step predicted at 6 ms is named, at what the machine measured it is not."""
     monkeypatch.syspath_prepend(str(Path(__file__).parent))
     far, printed = _train(tmp_path, 0, capsys, f"trainer.predicted_step_s={COMPUTE_S / 10}")
     assert far["compute_s"] == pytest.approx(far["step_s"] - far["data_wait_s"], abs=1e-5)
-    assert far["compute_s"] == pytest.approx(COMPUTE_S, rel=0.5) and far["predicted_step_s"] == COMPUTE_S / 10
+    # At least the forward's sleep; a loaded machine adds to it (the fast tier runs with both cores busy).
+    assert COMPUTE_S * 0.95 <= far["compute_s"] <= COMPUTE_S * 3 and far["predicted_step_s"] == COMPUTE_S / 10
     assert far["step_prediction_off"] < -0.8
     line = next(x for x in printed.splitlines() if "the plan predicted" in x)
     assert line.startswith("gputrain: warning: the first 8 steps computed for ") and "(prediction -9" in line
-    close, printed = _train(tmp_path, 0, capsys, f"trainer.predicted_step_s={COMPUTE_S}")
+    # Predicted as this machine just measured it (under load that is more than the sleep): not named.
+    close, printed = _train(tmp_path, 0, capsys, f"trainer.predicted_step_s={far['compute_s']:.4f}")
     assert abs(close["step_prediction_off"]) <= 0.2 and "the plan predicted" not in printed
     plain, _ = _train(tmp_path, 0, capsys)
     assert "predicted_step_s" not in plain  # no plan, nothing to set against

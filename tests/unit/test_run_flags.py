@@ -73,9 +73,11 @@ def test_plan_refuses_out_naming_what_it_writes_instead():
 def _documented_train_commands() -> list[tuple[str, list[str]]]:
     found = []
     for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
-        for number, line in enumerate(page.read_text().splitlines(), 1):
+        lines = page.read_text().splitlines()
+        for number, line in enumerate(lines, 1):
             text = line.strip().removeprefix("$ ")
-            if text.startswith("gputrain train ") and not text.endswith("\\") and "..." not in text:
+            refused = number < len(lines) and lines[number].startswith("gputrain: error: unrecognized arguments")
+            if text.startswith("gputrain train ") and not text.endswith("\\") and "..." not in text and not refused:
                 found.append((f"{page.name}:{number}", shlex.split(text, comments=True)[2:]))
     return found
 
@@ -121,3 +123,23 @@ def test_nnodes_min_max_makes_an_elastic_job_and_bad_ranges_are_refused_in_one_l
             load_config(None, ["launch.nnodes=1", "launch.max_nodes=2", f"trainer.strategy={strategy}"])
     with pytest.raises(ValueError, match=r"launch.node_rank=2 must be in \[0, launch.max_nodes=2\)"):
         load_config(None, ["launch.nnodes=1", "launch.max_nodes=2", "launch.node_rank=2"])
+
+
+@pytest.mark.parametrize(("argv", "says"), [
+    (["predict", "--checkpoint", "c.pt", "--input", "x", "--out", "p", "--strategy", "ddp"],
+     "(--strategy is a flag of gputrain train and the commands that run a recipe, not of gputrain predict); "
+     "see gputrain predict --help"),
+    (["export", "onnx", "--checkpoint", "c.pt", "--out", "m.onnx", "--epochs", "2"],
+     "(--epochs is a flag of gputrain train and the commands that run a recipe, not of gputrain export onnx); "
+     "see gputrain export onnx --help"),
+    (["train", "autoencoder", "--checkpoint", "c.pt"],
+     "(gputrain train continues a checkpoint with --resume PATH (or --resume auto --out RUN); eval, predict and "
+     "export take --checkpoint); see gputrain train --help"),
+])
+def test_a_flag_the_command_does_not_take_says_whose_it_is_and_where_help_is(capsys, argv, says):
+    """Found by a new user (round 5): argparse's bare "unrecognized arguments" gave no reason."""
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(argv)
+    assert exit_.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("gputrain: error: unrecognized arguments: ") and last.endswith(says), last

@@ -17,6 +17,7 @@ from gputrain.runs.folder import (
     clear_run_folder,
     default_run_dir,
     eval_dir_for,
+    forget_untrained_run,
     point_latest,
 )
 
@@ -105,6 +106,30 @@ def test_latest_is_a_relative_link_replaced_atomically(tmp_path):
     (old / "latest").mkdir()  # a real folder from an older gputrain is left alone
     assert not point_latest(old / "run")
     assert (old / "latest").is_dir() and not (old / "latest").is_symlink()
+
+
+def test_a_run_refused_before_training_leaves_no_folder_and_latest_where_it_was(tmp_path, monkeypatch):
+    """Found by a new user (round 5): a refused run left an empty dated folder, and ``runs/latest`` pointed to it."""
+    from gputrain.cli import main
+    from gputrain.data.imagefolder import make_frames
+
+    frames = make_frames(tmp_path / "frames", count=8, size=40, videos=1)
+    monkeypatch.chdir(tmp_path)
+    before = _a_run(tmp_path / "runs" / "autoencoder-20261123-141502")
+    point_latest(before)
+    assert main(["train", "autoencoder", "--data-root", str(frames), "--accelerator", "cpu",
+                 "model.kwargs.widht=3"]) == 2
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["autoencoder-20261123-141502", "latest"]
+    assert os.readlink(tmp_path / "runs" / "latest") == before.name
+    # A folder holding more than an untrained run's files (metrics, checkpoints) is kept, and latest with it.
+    kept = _a_run(tmp_path / "runs" / "kept")
+    point_latest(kept)
+    assert not forget_untrained_run(kept, before.name) and os.readlink(tmp_path / "runs" / "latest") == "kept"
+    # With no earlier run, the link goes with the folder.
+    (tmp_path / "alone" / "run" / "splits").mkdir(parents=True)
+    point_latest(tmp_path / "alone" / "run")
+    assert forget_untrained_run(tmp_path / "alone" / "run", None)
+    assert list((tmp_path / "alone").iterdir()) == []
 
 
 def test_output_files_and_eval_folders(tmp_path):

@@ -98,6 +98,17 @@ def test_config_overrides_and_type_errors():
         load_config("nope")
 
 
+def test_an_unknown_recipe_names_the_near_one_or_the_file_of_that_name_here(tmp_path, monkeypatch):
+    """Found by a new user (round 5): `gputrain train tiny-ae` said only "unknown recipe" beside tiny-ae.yaml."""
+    with pytest.raises(ValueError, match=r"^unknown recipe 'autoencodr' \(did you mean autoencoder\?\); built-in"):
+        load_config("autoencodr")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tiny-ae.yaml").write_text("task: autoencoder\n")
+    with pytest.raises(ValueError, match=r"^unknown recipe 'tiny-ae'; to train the recipe file tiny-ae.yaml, name it "
+                                         r"with its suffix: gputrain train tiny-ae.yaml$"):
+        load_config("tiny-ae")
+
+
 def test_atomic_save_keeps_old_checkpoint_when_write_fails(tmp_path):
     path = tmp_path / "last.pt"
     atomic_save({"model": {"w": torch.ones(2)}}, path)

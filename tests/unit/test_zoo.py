@@ -167,6 +167,7 @@ def test_an_option_the_builder_sets_itself_says_to_drop_it_and_a_misspelled_one_
     assert capsys.readouterr().err.strip() == ("gputrain: model.kwargs dropuot: no option of that name in "
                                                "mobilenet_v3_small's builder or MobileNetV3; it may be ignored "
                                                "(check the spelling)")
+    build_model("mobilenet_v3_small", num_classes=3, dropuot=0.3)  # eval and predict build twice: named once
     build_model("mobilenet_v3_small", num_classes=3, dropout=0.3)
     assert capsys.readouterr().err == ""
 

@@ -121,11 +121,19 @@ def cmd_train(args: argparse.Namespace, argv: Sequence[str]) -> int:
             run_folder.clear_run_folder(t.out)
             extra.append("trainer.overwrite=false")  # cleared once, here: not again under rank 0's first files
     else:
-        t.out = str(run_folder.default_run_dir(_run_name(args.recipe, cfg)))
+        t.out = str(run_folder.default_run_dir(run_folder.run_name(args.recipe, str(cfg.task))))
+        before = run_folder.latest_target(t.out)
         if not run_folder.point_latest(t.out):
             print(f"gputrain: runs/latest is a folder (an older gputrain's default output), so it was left alone; "
                   f"this run is in {t.out}", flush=True)
         extra.append(f"trainer.out={_quote(t.out)}")  # the workers must not pick another timestamp
+        code = 1
+        try:  # a run refused before it trained leaves no empty dated folder, and runs/latest where it was
+            code = _launch_or_run(cfg, [*argv, *extra], _run_train)
+            return code
+        finally:
+            if code != EXIT_OK:
+                run_folder.forget_untrained_run(t.out, before)
     t.overwrite = False
     return _launch_or_run(cfg, [*argv, *extra], _run_train)
 
@@ -155,13 +163,6 @@ def cmd_plan(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
     return run(cfg, recipe=args.recipe, devices=args.devices or cfg.trainer.devices, nnodes=args.nnodes,
                budget_text=args.memory_budget, json_path=args.json)
-
-
-def _run_name(recipe: str, cfg: RunConfig) -> str:
-    from pathlib import Path
-
-    stem = Path(recipe).stem if recipe.endswith((".yaml", ".yml")) else recipe
-    return cfg.task if stem == "config" else stem  # a saved config.yaml used as a recipe
 
 
 def cmd_eval(args: argparse.Namespace, argv: Sequence[str]) -> int:

@@ -18,7 +18,7 @@ from typing import Any
 from gputrain import __version__
 from gputrain.cli import commands
 from gputrain.cli.parser import DESCRIPTION, EPILOG, check_flags, common_overrides
-from gputrain.cli.run_flags import flag_overrides, refuse_flags
+from gputrain.cli.run_flags import flag_overrides, refuse_flags, unrecognized
 from gputrain.errors import EXIT_USAGE, Interrupted, MissingExtra, exit_code_for_signal
 
 USAGE_ERRORS = (ValueError, FileNotFoundError, PermissionError, NotADirectoryError, IsADirectoryError, MissingExtra)
@@ -39,7 +39,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     args, extra = parser.parse_known_args(argv)
     bad = [x for x in extra if x.startswith("-") or "=" not in x]
     if bad:
-        parser.error(f"unrecognized arguments: {' '.join(bad)}")
+        sub = getattr(args, f"{args.command}_command", None)  # data make, bench scale, export onnx
+        parser.error(unrecognized(f"{args.command} {sub}" if sub else args.command, bad))
     optional_recipe = args.command in ("eval", "export")
     if optional_recipe and args.recipe and "=" in args.recipe and not args.recipe.endswith((".yaml", ".yml")):
         extra, args.recipe = [args.recipe, *extra], None  # the recipe is optional here: this was an override

@@ -8,6 +8,7 @@ the loggers and the command line can use it freely.
 
 from __future__ import annotations
 
+import difflib
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -55,6 +56,10 @@ def check_data_paths(cfg: RunConfig) -> None:
             where = "" if path.is_absolute() else f" (relative to {Path.cwd()})"
             fix = (f"make sample data with `gputrain data make {kind} --out {value}` or point --data-root at your data"
                    if field == "data.root" and kind else f"set {field} to an existing path")
+            siblings = [p.name for p in path.parent.iterdir()] if path.parent.is_dir() else []
+            near = difflib.get_close_matches(path.name, siblings, n=1, cutoff=0.8)
+            if near:  # a typo of a folder that is there (data/frame for data/frames)
+                fix = f"did you mean {path.parent / near[0]}? Else {fix}"
             raise FileNotFoundError(f"{field}={value} does not exist{where}; {fix}")
         if not os.access(path, os.R_OK | (os.X_OK if path.is_dir() else 0)):
             raise ValueError(f"{field}={value} is not readable by this user; check its permissions")

@@ -145,3 +145,20 @@ def flag_overrides(args: argparse.Namespace) -> list[str]:
 def field_overrides(dest: str, key: str, value: Any) -> list[str]:
     """The overrides one run flag's value stands for (``--nnodes 1:2`` sets two fields)."""
     return node_overrides(value) if dest == "nnodes" else [f"{key}={value}"]
+
+
+FLAG_ELSEWHERE = {"--checkpoint": "gputrain train continues a checkpoint with --resume PATH (or --resume auto --out "
+                                  "RUN); eval, predict and export take --checkpoint"}
+"""Flags of another command a user is likely to give this one, and where they belong."""
+
+
+def unrecognized(command: str, bad: list[str]) -> str:
+    """The one line for flags ``command`` does not take: which command takes each, where one does, and its help."""
+    names = [flag.split("=", 1)[0] for flag in bad]
+    hints = [FLAG_ELSEWHERE[name] for name in names if name in FLAG_ELSEWHERE]
+    run_flags = [name for name in names if name.lstrip("-").replace("-", "_") in CONFIG_FIELD]
+    if run_flags and not hints:
+        hints.append(f"{', '.join(run_flags)} {'is a flag' if len(run_flags) == 1 else 'are flags'} of gputrain "
+                     f"train and the commands that run a recipe, not of gputrain {command}")
+    return (f"unrecognized arguments: {' '.join(bad)}" + (f" ({'; '.join(hints)})" if hints else "")
+            + f"; see gputrain {command} --help")

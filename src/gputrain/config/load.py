@@ -8,6 +8,7 @@ file, line or key.
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
@@ -36,7 +37,13 @@ def recipe_path(recipe: str) -> Path:
         return path
     candidate = resources.files("gputrain") / "recipes" / f"{recipe}.yaml"
     if not candidate.is_file():
-        raise ValueError(f"unknown recipe {recipe!r}; built-in recipes: {', '.join(builtin_recipes())}, or a .yaml path")
+        here = [f"{recipe}{suffix}" for suffix in (".yaml", ".yml") if Path(f"{recipe}{suffix}").is_file()]
+        if here:  # a recipe of one's own named without its suffix
+            raise ValueError(f"unknown recipe {recipe!r}; to train the recipe file {here[0]}, name it with its "
+                             f"suffix: gputrain train {here[0]}")
+        close = difflib.get_close_matches(recipe, builtin_recipes(), n=1)
+        raise ValueError(f"unknown recipe {recipe!r}" + (f" (did you mean {close[0]}?)" if close else "")
+                         + f"; built-in recipes: {', '.join(builtin_recipes())}, or a .yaml path")
     return Path(str(candidate))
 
 

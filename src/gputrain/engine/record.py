@@ -35,7 +35,8 @@ CONFIG_HEADER = ("# The resolved config of the run in this folder (every `auto` 
                  "# with `gputrain train RUN/config.yaml`: a new run folder, or --out DIR.\n")
 
 
-def open_run_folder(cfg: RunConfig, dist: DistInfo, *, for_training: bool) -> tuple[Path, tuple[Path, bool] | None]:
+def open_run_folder(cfg: RunConfig, dist: DistInfo, *, for_training: bool,
+                    api: bool = False) -> tuple[Path, tuple[Path, bool] | None]:
     """Rank 0 resolves and checks the run folder, every rank gets its path; also (folder, existed before) of a
     fresh training run, which :func:`discard_untrained_run` removes if it fails before its first step."""
     t = cfg.trainer
@@ -43,7 +44,7 @@ def open_run_folder(cfg: RunConfig, dist: DistInfo, *, for_training: bool) -> tu
     if dist.is_main:
         out = Path(t.out) if t.out else run_folder.default_run_dir(Path(str(cfg.task)).name.split(":")[-1])
         if for_training:
-            run_folder.check_run_folder(out, resume=t.resume, overwrite=t.overwrite)
+            run_folder.check_run_folder(out, resume=t.resume, overwrite=t.overwrite, api=api)
             fresh = None if t.resume else (out, out.exists())
             if t.overwrite:
                 run_folder.clear_run_folder(out)

@@ -10,6 +10,7 @@ the strategy and precision plugins; which samples each step trains on is decided
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import signal
 import time
 from collections.abc import Callable
@@ -54,7 +55,10 @@ class Trainer(BuiltRun):
         known = {f.name for f in dataclasses.fields(TrainerConfig)}
         unknown = set(trainer) - known
         if unknown:
-            raise TypeError(f"unknown Trainer option(s) {sorted(unknown)}; valid: {sorted(known)}")
+            close = {name: difflib.get_close_matches(name, known, n=1) for name in sorted(unknown)}
+            hints = [f"{name}: did you mean {near[0]}?" for name, near in close.items() if near]
+            raise TypeError(f"unknown Trainer option(s) {sorted(unknown)}" + (f" ({'; '.join(hints)})" if hints else "")
+                            + f"; valid: {sorted(known)}")
         self.cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, **trainer))
         """The run's config; from :meth:`fit` on, with every ``auto`` resolved (what ``config.yaml`` records)."""
         validate(self.cfg)  # the ranges and combinations the CLI checks hold for Python-API configs too
@@ -95,7 +99,8 @@ class Trainer(BuiltRun):
             self.cfg = dataclasses.replace(self.cfg, trainer=dataclasses.replace(t, resume="auto"))
         self.dist: DistInfo = init_distributed(t.accelerator, timeout_s=t.timeout_s)
         self.out: Path
-        self.out, self._fresh_out = record.open_run_folder(self.cfg, self.dist, for_training=for_training)
+        self.out, self._fresh_out = record.open_run_folder(self.cfg, self.dist, for_training=for_training,
+                                                           api=self.resume_command is None)  # the CLI gives one
         return self.out
 
     # -- training ------------------------------------------------------------------------------

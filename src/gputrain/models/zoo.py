@@ -173,6 +173,10 @@ def _hint(reason: str) -> str:
     return ""
 
 
+_NOTED: set[tuple[str, ...]] = set()
+"""The (model name, options) :func:`_note_ignored` has named in this process."""
+
+
 def _note_ignored(name: str, model: nn.Module, kwargs: dict[str, Any]) -> None:
     """Some builders and classes take ``**kwargs`` and drop what they do not know (MobileNetV3, the segmentation
     builders): a misspelled option would change nothing, silently. Named here, in one line, not refused (a class may
@@ -184,6 +188,7 @@ def _note_ignored(name: str, model: nn.Module, kwargs: dict[str, Any]) -> None:
         if "__init__" in vars(cls):
             known |= set(inspect.signature(cls.__init__).parameters)  # type: ignore[misc]
     unknown = sorted(k for k in kwargs if k not in known)
-    if unknown and os.environ.get("RANK", "0") == "0":
+    if unknown and os.environ.get("RANK", "0") == "0" and (name, *unknown) not in _NOTED:
+        _NOTED.add((name, *unknown))  # eval and predict build the model twice: one line, not two
         print(f"gputrain: model.kwargs {', '.join(unknown)}: no option of that name in {name}'s builder or "
               f"{type(model).__name__}; it may be ignored (check the spelling)", file=sys.stderr, flush=True)

@@ -44,6 +44,13 @@ def _slug(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "-", stem).strip("-.") or "run"
 
 
+def run_name(recipe: str, task: str) -> str:
+    """What a run of ``recipe`` is named after: the recipe (a file's stem); a saved ``config.yaml`` run as a recipe,
+    its task."""
+    stem = Path(recipe).stem if recipe.endswith((".yaml", ".yml")) else recipe
+    return task if stem == "config" else stem
+
+
 def default_run_dir(name: str, root: str | Path = "runs", now: datetime | None = None) -> Path:
     """Create and return a new, empty folder ``root/NAME-YYYYmmdd-HHMMSS`` (``-2``, ``-3``... if taken).
 
@@ -68,14 +75,16 @@ def _is_file(path: Path) -> bool:
     return path.exists() and not path.is_dir()
 
 
-def check_run_folder(path: str | Path, *, resume: str, overwrite: bool) -> None:
+def check_run_folder(path: str | Path, *, resume: str, overwrite: bool, api: bool = False) -> None:
     """Refuse a run folder that would mix two runs; raises ``ValueError`` with one line naming the ways out.
 
     Allowed: a folder that does not exist or is empty; a non-empty one that the run continues
     (``resume="auto"``, or a checkpoint inside the folder), or one to be cleared first
     (``overwrite``, when it looks like a gputrain run). A checkpoint path from elsewhere starts a
-    new run, so it needs an empty folder like any new run.
+    new run, so it needs an empty folder like any new run. ``api``: the ways out are named as the ``Trainer``'s
+    arguments (``resume="auto"``), not the command line's flags.
     """
+    out, again, clear = ("out", 'resume="auto"', "overwrite=True") if api else ("--out", "--resume auto", "--overwrite")
     path = Path(path)
     if _is_file(path):
         raise ValueError(f"--out {path} is a file, not a folder; give a folder for the run (config.yaml, "
@@ -91,8 +100,8 @@ def check_run_folder(path: str | Path, *, resume: str, overwrite: bool) -> None:
     if overwrite:
         _check_clearable(path)
         return
-    raise ValueError(f"run folder {path} is not empty; continue that run with --resume auto, or replace it with "
-                     "--overwrite (deletes its contents), or choose another --out")
+    raise ValueError(f"run folder {path} is not empty; continue that run with {again}, or replace it with "
+                     f"{clear} (deletes its contents), or choose another {out}")
 
 
 def _check_clearable(path: Path) -> None:
@@ -206,6 +215,34 @@ def point_latest(path: str | Path) -> bool:
     except OSError:
         tmp.unlink(missing_ok=True)
         raise
+    return True
+
+
+def latest_target(path: str | Path) -> str | None:
+    """Where ``latest`` beside ``path`` points now (None: no such link)."""
+    link = Path(path).parent / LATEST
+    return os.readlink(link) if link.is_symlink() else None
+
+
+UNTRAINED = frozenset({RUN_MARKER, "config.yaml", "splits"})
+"""All a new run folder holds when its run stopped before its first step: the marker, the config, the data split."""
+
+
+def forget_untrained_run(path: str | Path, latest_before: str | None) -> bool:
+    """Remove the new dated folder ``path`` of a run that failed before it trained (nothing in it but
+    :data:`UNTRAINED`), and point ``latest`` back to ``latest_before`` if it still points to ``path``: a refused
+    run must not leave ``runs/latest`` on an empty folder. Anything more (metrics, checkpoints, a non-finite
+    bundle) keeps the folder."""
+    path = Path(path)
+    if not path.is_dir() or any(child.name not in UNTRAINED for child in path.iterdir()):
+        return False
+    shutil.rmtree(path)
+    link = path.parent / LATEST
+    if link.is_symlink() and os.readlink(link) == path.name:
+        if latest_before and (path.parent / latest_before).is_dir():
+            point_latest(path.parent / latest_before)
+        else:
+            link.unlink()
     return True
 
 

@@ -252,7 +252,9 @@ def check_parity(build: Callable[[], Any], cfg: RunConfig | None = None, *, mode
         kwargs = dict(global_batch=g, steps=steps, epochs=epochs, out=tmp, accelerator=accelerator,
                       timeout_s=timeout_s, dtype=dtype)
         progress = progress or Silent()
-        progress.total = len(run)
+        # A stage per mode in this process and per launch of ranks (one runs every multi-rank mode, one after
+        # another; a mode after a failed one is retried in another launch, which adds a stage).
+        progress.total = sum(m.processes == 1 for m in run) + any(m.processes > 1 for m in run)
         for mode in [m for m in run if m.processes == 1]:
             progress.stage(f"mode {mode.name}: {steps} steps x {epochs} epochs in this process")
             results[mode.name] = _in_process(build, cfg, mode, kwargs, (mode_hooks or {}).get(mode.name, ()))
@@ -263,7 +265,7 @@ def check_parity(build: Callable[[], Any], cfg: RunConfig | None = None, *, mode
             kwargs["out"] = f"{tmp}/launch{launch}"
             progress.stage(f"mode{'s' if len(pending) > 1 else ''} {', '.join(m.name for m in pending)}: on "
                            f"{max(m.processes for m in pending)} ranks, one after another",
-                           total=progress.done + len(pending))
+                           total=progress.done + 1)
             outcomes = run_on_ranks(_parity_ranks, build, cfg, pending, kwargs, mode_hooks or {},
                                     devices=max(m.processes for m in pending), accelerator=accelerator,
                                     timeout_s=timeout_s)

@@ -124,7 +124,7 @@ def check_input_plan(loader: Any, outcomes: list[RankOutcome], busy: str = "") -
     if busy:
         return Finding("OK", "input plan", f"{what}; not compared: {busy}")
     if cost < READ_FLOOR * compute:
-        return Finding("OK", "input plan", f"{what}; not compared: {cost * 1e3:.1f} ms a batch, under "
+        return Finding("OK", "input plan", f"{what}; not compared: the two differ by {cost * 1e3:.1f} ms a batch, under "
                        f"{READ_FLOOR:.0%} of the {compute * 1e3:.0f} ms step")
     if abs(off) <= INPUT_TOLERANCE:
         return Finding("OK", "input plan", what)

@@ -10,6 +10,7 @@ function the task's validation data uses, so predictions of a validation set sco
 
 from __future__ import annotations
 
+import csv
 import dataclasses
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -22,7 +23,7 @@ from torch.utils.data import DataLoader, Dataset
 from gputrain.config import RunConfig
 from gputrain.data.images import DECODABLE_SUFFIXES, DataError, image_size, read_image_rgb
 
-OUTPUTS = ("predictions.csv", "predictions.json", "masks", "overlays", "reconstructions")
+OUTPUTS = ("predictions.csv", "predictions.json", "masks", "overlays", "reconstructions", "inputs.csv")
 """What predict writes into --out (and what --overwrite removes first)."""
 
 
@@ -61,6 +62,20 @@ def list_inputs(paths: Sequence[str]) -> list[InputImage]:
         taken.add(stem)
         inputs.append(InputImage(f, stem))
     return inputs
+
+
+def write_renamed(inputs: Sequence[InputImage], out: Path) -> None:
+    """Where file names repeat (``video_00/frame_0000.png``, ``video_01/frame_0000.png``), the outputs are named
+    ``frame_0000``, ``frame_0000_2``...: ``inputs.csv`` maps every output name to its file, and one line says so."""
+    renamed = [item for item in inputs if item.stem != item.path.stem]
+    if not renamed:
+        return
+    with (out / "inputs.csv").open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["name", "file"])
+        writer.writerows([item.stem, str(item.path)] for item in inputs)
+    print(f"gputrain: {len(renamed)} input(s) share a file name with another, so their outputs are named "
+          f"{renamed[0].stem} and the like; {out / 'inputs.csv'} names the file of each output", flush=True)
 
 
 def check_readable(inputs: Sequence[InputImage]) -> None:
@@ -142,6 +157,7 @@ def predict_from_config(cfg: RunConfig, checkpoint: str | Path, state: dict[str,
             Path(out).mkdir(parents=True, exist_ok=True)
             written = task.write_predictions(inputs, [merged[i] for i in range(len(inputs))], Path(out))
             print(f"gputrain: predicted {len(inputs)} image(s); wrote {written}", flush=True)
+            write_renamed(inputs, Path(out))
         comm.barrier()
         return len(inputs)
     finally:
