@@ -9,7 +9,10 @@ the end, the membership record's ``seconds_lost`` (the last checkpoint's age whe
 to the resumed step) and ``samples_retrained``, the largest weight difference from an uninterrupted one-process run,
 and whether the samples the restarted worker read are exactly the epoch plan's from the resumed step on, each once.
 
-    python benchmarks/elastic.py [--rounds 5] [--json out.json]
+``--during-save``: the test's second case, with sharded checkpoints; the node is killed while its checkpoint thread
+is halted at its first fsync of step 6's shards, so the job must resume from step 4.
+
+    python benchmarks/elastic.py [--rounds 5] [--during-save] [--json out.json]
 """
 
 from __future__ import annotations
@@ -29,7 +32,17 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from elastic_runs import N, hosting, kill_node, membership, node, recipe, served, wait_for  # noqa: E402
+from elastic_runs import (  # noqa: E402
+    N,
+    hosting,
+    kill_node,
+    membership,
+    node,
+    recipe,
+    served,
+    stop_in_the_save_of,
+    wait_for,
+)
 
 GLOBAL_BATCH = 4  # as tests/e2e/test_elastic.py
 
@@ -44,18 +57,26 @@ def reference(root: Path) -> dict[str, torch.Tensor]:
     return load_checkpoint(root / "run" / "checkpoints" / "last.pt")["model"]
 
 
-def one_round(root: Path, weights: dict[str, torch.Tensor]) -> dict[str, Any]:
-    from gputrain.checkpoint import load_checkpoint
+def one_round(root: Path, weights: dict[str, torch.Tensor], during_save: bool = False) -> dict[str, Any]:
+    """``during_save``: sharded checkpoints, and node B killed while halted in its save of step 6 (the test's
+    second case); else killed once the checkpoint of step 4 is written."""
+    from gputrain.checkpoint import model_weights
     from gputrain.data.samplers import EpochPlan
     from gputrain.launcher.spec import free_port
 
     root.mkdir(parents=True)
     port, started = free_port(), time.monotonic()
-    a, b = node(root, port, "A"), node(root, port, "B")
+    overrides = ["parallel.sharded_checkpoint=true"] if during_save else []
+    a, b = node(root, port, "A", *overrides), node(root, port, "B", *overrides)
+    names = {a.pid: "A", b.pid: "B"}
     try:
-        wait_for(lambda: (root / "run" / "checkpoints" / "step_000004.pt").is_file(), 120, "the checkpoint of step 4")
+        wait_for(lambda: hosting(port, [a.pid, b.pid]) is not None, 120, "the rendezvous store")
         if hosting(port, [a.pid, b.pid]) == b.pid:
             a, b = b, a
+        if during_save:
+            wait_for(stop_in_the_save_of(root, names[b.pid], "step_000006.dcp").is_file, 120, "the halt in a save")
+        else:
+            wait_for(lambda: (root / "run" / "checkpoints" / "step_000004.pt").is_file(), 120, "step 4's checkpoint")
         kill_node(b)
         code = a.wait(timeout=180)
     finally:
@@ -64,7 +85,7 @@ def one_round(root: Path, weights: dict[str, torch.Tensor]) -> dict[str, Any]:
                 kill_node(proc)
     wall = time.monotonic() - started
     changes = membership(root / "run")
-    ended = load_checkpoint(root / "run" / "checkpoints" / "last.pt")["model"] if code == 0 else None
+    ended = model_weights(root / "run" / "checkpoints" / "last.pt") if code == 0 else None
     change = changes[0] if len(changes) == 1 else {}
     order = EpochPlan(N, seed=0, epoch=0, dp_size=1, batch_size=GLOBAL_BATCH).order
     after = [index for _, ws, index in served(root) if ws == 1]
@@ -79,6 +100,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--during-save", action="store_true",
+                        help="sharded checkpoints; the node is killed halted inside its save of step 6")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
@@ -86,7 +109,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="elastic-") as tmp:
         weights = reference(Path(tmp) / "reference")
         for k in range(args.rounds):
-            row = one_round(Path(tmp) / f"round{k}", weights)
+            row = one_round(Path(tmp) / f"round{k}", weights, args.during_save)
             rows.append(row)
             print(f"round {k + 1}: {row}", flush=True)
     exact = [r for r in rows if r["exit"] == 0 and r["changes"] == 1 and r["each_sample_once"]
