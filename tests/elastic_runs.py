@@ -103,7 +103,7 @@ def recipe(root: Path) -> Path:
                     "  num_workers: 0\noptim:\n  name: sgd\n  lr: 0.05\n  momentum: 0.9\n"
                     "trainer:\n  strategy: ddp\n  accelerator: cpu\n  epochs: 1\n  batch_size: 2\n"
                     "  checkpoint_every_n_steps: 2\n  log_every_n_steps: 1\n  progress_bar: false\n  pictures: 0\n"
-                    "  loggers: []\nlaunch:\n  last_call_s: 5\n  join_timeout_s: 60\n")
+                    "  loggers: []\nlaunch:\n  last_call_s: 5\n  join_timeout_s: 60\n  keep_alive_s: 1\n")
     return path
 
 

@@ -666,6 +666,13 @@ FAULTS: tuple[Fault, ...] = (
           (('        nproc = processes_per_node(cfg.trainer.strategy, cfg.trainer.devices)',
             '        from gputrain.strategies import strategy_class\n\n        nproc = strategy_class(cfg.trainer.strategy).processes_per_node(cfg.trainer.devices)'), ),
           ("tests/e2e/test_faults.py::test_the_direct_launch_starts_ranks_before_torch_in_own_sessions_and_leaves_none_when_killed",)),
+    Fault("[45] launch.keep_alive_s never reaches torchrun (a lost node is noticed after torch's 15 s)",
+          "src/gputrain/launcher/spec.py",
+          (("                   keep_alive_s=launch.keep_alive_s)", "                   )"),),
+          ("tests/e2e/test_user_code.py::test_multinode_arguments_pass_through_to_torchrun",)),
+    Fault("[45] torchrun's rendezvous is not given the agents' heartbeat", "src/gputrain/launcher/spec.py",
+          (('            f"keep_alive_interval={spec.keep_alive_s}",', '            "",'),),
+          ("tests/e2e/test_user_code.py::test_multinode_arguments_pass_through_to_torchrun",)),
     # -- src/gputrain/metrics/detection.py -------------------------------------------------------------------
     Fault("mAP box conversion off by one pixel", "src/gputrain/metrics/detection.py",
           (("boxes[:, 2:] - boxes[:, :2]], dim=1)", "boxes[:, 2:] - boxes[:, :2] + 1], dim=1)"),),

@@ -1,5 +1,5 @@
 """Shared by the first-hour tests (tests/e2e/test_first_hour*.py): the tiny run's flags, a user model file, a
-core install, and ways to run ``gputrain`` (a real process, or ``gputrain.cli.main`` in this process).
+core install, and ways to run ``gputrain`` (a process of its own, or ``gputrain.cli.main`` in this process).
 
 A core install (``pip install gputrain``, no extras) is made by a ``sitecustomize.py`` (:data:`CORE_ONLY`) that hides
 the optional packages from the path finder.
@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from forked_cli import run_gputrain
 from gputrain.cli import main
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true", "PYTHONUNBUFFERED": "1"}
@@ -47,9 +48,11 @@ sys.meta_path[:] = [_CoreOnly if finder is PathFinder else finder for finder in 
 
 
 def gputrain(*args: str, cwd: Path, core_only: Path | None = None) -> subprocess.CompletedProcess:
-    env = dict(ENV)
-    if core_only is not None:
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(core_only), env.get("PYTHONPATH", "")) if p)
+    """A process of its own: a new interpreter for a core install (its ``sitecustomize.py`` runs at start-up), else
+    forked from the preloaded server (tests/forked_cli.py)."""
+    if core_only is None:
+        return run_gputrain(args, env=ENV, cwd=cwd, timeout=600)
+    env = {**ENV, "PYTHONPATH": os.pathsep.join(p for p in (str(core_only), ENV.get("PYTHONPATH", "")) if p)}
     return subprocess.run([sys.executable, "-m", "gputrain", *args], capture_output=True, text=True, env=env,
                           cwd=cwd, timeout=600)
 

@@ -25,6 +25,7 @@ import torchvision
 from torch import nn
 from torch.utils.data import TensorDataset
 
+from forked_cli import run_gputrain
 from gputrain import Trainer
 from gputrain.config import OptimConfig, ParallelConfig, RunConfig
 
@@ -178,18 +179,14 @@ def classfolder_8px(tmp_path_factory):
 @pytest.mark.parametrize("strategy", ["model_parallel", "pipeline"])
 def test_cli_refuses_a_user_model_that_is_not_its_chain(tmp_path, strategy, classfolder_8px):
     import os
-    import subprocess
-    import sys
 
     (tmp_path / "skipnet_user.py").write_text(SKIPNET)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
-    cmd = [sys.executable, "-m", "gputrain"]
-    run = subprocess.run([*cmd, "train", "resnet50-model-parallel", "--epochs", "1", "--batch-size", "4",
-                          "--data-root", str(classfolder_8px), "--out", str(tmp_path / "run"),
-                          "--devices", "2" if strategy == "pipeline" else "1", f"trainer.strategy={strategy}",
-                          "model.name=skipnet_user:build", "parallel.split_points=[body]", "parallel.micro_batches=2",
-                          "data.image_size=8", "data.num_classes=4"],
-                         capture_output=True, text=True, env=env, timeout=120)
+    run = run_gputrain(["train", "resnet50-model-parallel", "--epochs", "1", "--batch-size", "4",
+                        "--data-root", str(classfolder_8px), "--out", str(tmp_path / "run"),
+                        "--devices", "2" if strategy == "pipeline" else "1", f"trainer.strategy={strategy}",
+                        "model.name=skipnet_user:build", "parallel.split_points=[body]", "parallel.micro_batches=2",
+                        "data.image_size=8", "data.num_classes=4"], env=env, timeout=120)
     assert run.returncode == 2, run.stdout + run.stderr
     errors = [line for line in (run.stdout + run.stderr).splitlines() if "SkipNet" in line]
     assert len(errors) == 1 and "from block 'head' on" in errors[0] and errors[0].startswith("gputrain: error:")

@@ -71,7 +71,7 @@ class SlowToEndRankZero(Hook):
 
     def after_fit(self, ctx, summary) -> None:
         if dist.is_initialized() and dist.get_rank() == 0:
-            time.sleep(2.5 * TIMEOUT_S)
+            time.sleep(1.5 * TIMEOUT_S)
 
 
 # About 35 s by design: a rank that is slow to end a mode by more than the collective timeout.

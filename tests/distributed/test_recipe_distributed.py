@@ -29,10 +29,20 @@ from gputrain.tasks.base import Task
 from multiproc import run_ranks
 from training_recipe_runs import CRASH_AFTER, N_VAL, data, ema_model, ema_of, fit, local_ema_numel, weights_of
 
+PARTS = {  # what each test reads of the ranks' runs
+    "test_ddp_and_fsdp_emas_equal_one_process_and_fsdp_keeps_half_on_each_rank": {"ema", "memory"},
+    "test_a_resume_mid_epoch_ends_with_the_uninterrupted_ema": {"ema"},
+    "test_the_ema_evaluates_to_the_logged_val_ema_on_one_and_two_ranks": {"ema", "eval"},
+    "test_mixup_cutmix_and_repeats_train_one_processs_weights_on_two_ranks_and_resume_exactly": {"mix"},
+    "test_pipeline_stages_each_average_their_layers_and_resume_exactly": {"pipeline"},
+    "test_ddp_with_modules_kept_in_float32_under_bf16_autocast_equals_one_process": {"fp32"},
+}
+"""All of them in ``make test``; in ``make mutants`` a planted fault's one or two tests train only what they read."""
 
-def _worker(info: DistInfo, root: str) -> dict[str, Any]:
+
+def _worker(info: DistInfo, root: str, parts: set[str]) -> dict[str, Any]:
     base, out = Path(root), {}
-    for strategy in ("ddp", "fsdp"):
+    for strategy in ("ddp", "fsdp") if "ema" in parts else ():
         sharded = strategy == "fsdp"
         full = fit(base / strategy, strategy=strategy, devices=2, sharded=sharded)
         out[strategy] = ema_of(full)
@@ -41,32 +51,38 @@ def _worker(info: DistInfo, root: str) -> dict[str, Any]:
         out[f"{strategy}_crashed"] = sorted(p.name for p in (base / f"{strategy}_resumed/checkpoints").glob("*.pt"))
         resumed = fit(base / f"{strategy}_resumed", strategy=strategy, devices=2, resume="auto", sharded=sharded)
         out[f"{strategy}_resumed"] = ema_of(resumed)
-    # trainer.fp32_modules under bf16-mixed autocast (issue 41), naming the root (a Sequential): all in float32.
-    out["fp32"] = weights_of(fit(base / "fp32", strategy="ddp", devices=2, precision="bf16-mixed",
-                                 fp32_modules=["Sequential"]))
-    # pipeline: the batch of 6 in 2 micro-batches over 2 stages, each averaging its own layers.
-    out["pipeline"] = ema_of(fit(base / "pipeline", strategy="pipeline", devices=2, stages=True, batch_size=6))
-    fit(base / "pipeline_resumed", strategy="pipeline", devices=2, stages=True, batch_size=6, crash=True)
-    out["pipeline_resumed"] = ema_of(fit(base / "pipeline_resumed", strategy="pipeline", devices=2, stages=True,
-                                         batch_size=6, resume="auto"))
-    # Memory over the first two steps, with an EMA and without one.
-    fit(base / "fsdp_memory", strategy="fsdp", devices=2, ema_every_n_steps=32, measure_memory=True)
-    fit(base / "fsdp_plain", strategy="fsdp", devices=2, ema_decay=0.0, measure_memory=True)
-    out["mix"] = weights_of(fit(base / "mix", strategy="ddp", devices=2, mix=True))
-    fit(base / "mix_resumed", strategy="ddp", devices=2, mix=True, crash=True)
-    out["mix_resumed"] = weights_of(fit(base / "mix_resumed", strategy="ddp", devices=2, mix=True, resume="auto"))
-    model = ema_model()
-    model.load_state_dict(load_checkpoint(base / "ddp" / "checkpoints" / "last.pt", weights="ema")["model"])
-    out["eval_2_ranks"] = Trainer(strategy="ddp", devices=2, accelerator="cpu", eval_batch_size=4,
-                                  out=str(base / "eval"), progress_bar=False, loggers=[]).validate(
-        model, data(N_VAL, 2), task=Task(nn.functional.cross_entropy))
+    if "fp32" in parts:  # trainer.fp32_modules under bf16-mixed autocast (issue 41), naming the root: all in float32
+        out["fp32"] = weights_of(fit(base / "fp32", strategy="ddp", devices=2, precision="bf16-mixed",
+                                     fp32_modules=["Sequential"]))
+    if "pipeline" in parts:  # the batch of 6 in 2 micro-batches over 2 stages, each averaging its own layers
+        out["pipeline"] = ema_of(fit(base / "pipeline", strategy="pipeline", devices=2, stages=True, batch_size=6))
+        fit(base / "pipeline_resumed", strategy="pipeline", devices=2, stages=True, batch_size=6, crash=True)
+        out["pipeline_resumed"] = ema_of(fit(base / "pipeline_resumed", strategy="pipeline", devices=2, stages=True,
+                                             batch_size=6, resume="auto"))
+    if "memory" in parts:  # memory over the first two steps, with an EMA and without one
+        fit(base / "fsdp_memory", strategy="fsdp", devices=2, ema_every_n_steps=32, measure_memory=True)
+        fit(base / "fsdp_plain", strategy="fsdp", devices=2, ema_decay=0.0, measure_memory=True)
+    if "mix" in parts:
+        out["mix"] = weights_of(fit(base / "mix", strategy="ddp", devices=2, mix=True))
+        fit(base / "mix_resumed", strategy="ddp", devices=2, mix=True, crash=True)
+        out["mix_resumed"] = weights_of(fit(base / "mix_resumed", strategy="ddp", devices=2, mix=True,
+                                            resume="auto"))
+    if "eval" in parts:
+        model = ema_model()
+        model.load_state_dict(load_checkpoint(base / "ddp" / "checkpoints" / "last.pt", weights="ema")["model"])
+        out["eval_2_ranks"] = Trainer(strategy="ddp", devices=2, accelerator="cpu", eval_batch_size=4,
+                                      out=str(base / "eval"), progress_bar=False, loggers=[]).validate(
+            model, data(N_VAL, 2), task=Task(nn.functional.cross_entropy))
     return out
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
+def ranks(request, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
+    # A test missing from PARTS is a KeyError here: a new test names what it reads.
+    parts = set().union(*(PARTS[item.originalname] for item in request.session.items
+                          if item.module is request.module))
     root = tmp_path_factory.mktemp("recipe")
-    return root, run_ranks(_worker, str(root))
+    return root, run_ranks(_worker, str(root), parts)
 
 
 def _diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:

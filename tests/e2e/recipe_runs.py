@@ -3,7 +3,7 @@
 Shared by the recipe tests (test_recipes.py, test_recipe_maskrcnn.py) and ``benchmarks/recipes.py`` (which imports
 :data:`RECIPES` and :data:`COMMON` through test_recipes.py), so the figures there describe exactly what these tests
 run. Each recipe is shrunk until one run takes tens of seconds on a shared 2-core machine, and every shrinking
-override says why in a comment. Every run is a real ``gputrain`` process (real torchrun workers where
+override says why in a comment. Every run is a ``gputrain`` process of its own (real torchrun workers where
 ``--devices 2``). It lives beside the tests, in tests/e2e, because the benchmark puts only that folder on its path.
 """
 
@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -140,19 +139,19 @@ def _checked(args: tuple[str, ...], done: subprocess.CompletedProcess, check: bo
 
 
 def gputrain(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    done = subprocess.run([sys.executable, "-m", "gputrain", *args], capture_output=True, text=True, env=ENV)
-    return _checked(args, done, check)
+    """A ``gputrain`` process of its own, forked from the test worker's preloaded server (tests/forked_cli.py;
+    imported here, not above: benchmarks/recipes.py imports this module without tests/ on its path)."""
+    from forked_cli import run_gputrain
+
+    return _checked(args, run_gputrain(args, env=ENV), check)
 
 
 def gputrain_concurrently(*commands: tuple[str, ...]) -> list[subprocess.CompletedProcess]:
-    """Run several ``gputrain`` commands at once; most of a short command is its start-up (imports)."""
-    procs = [subprocess.Popen([sys.executable, "-m", "gputrain", *args], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env=ENV) for args in commands]
-    results = []
-    for args, proc in zip(commands, procs, strict=True):
-        stdout, stderr = proc.communicate()
-        results.append(_checked(args, subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr), True))
-    return results
+    """Run several ``gputrain`` commands at once, each a process of its own (:func:`gputrain`)."""
+    from forked_cli import start_gputrain
+
+    started = [start_gputrain(args, env=ENV) for args in commands]
+    return [_checked(args, run.wait(), True) for args, run in zip(commands, started, strict=True)]
 
 
 def make_data(spec: RecipeRun, out: Path, *, cli: bool = False) -> Path:

@@ -5,19 +5,19 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from forked_cli import run_gputrain
 from gputrain.data.imagefolder import make_frames
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true"}
 
 
 def gputrain(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    done = subprocess.run([sys.executable, "-m", "gputrain", *args], capture_output=True, text=True, env=ENV)
+    done = run_gputrain(args, env=ENV)
     if check and done.returncode != 0:
         raise AssertionError(f"gputrain {' '.join(args)} failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
     return done

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torchvision
 
+from forked_cli import run_gputrain
 from gputrain.config import load_config
 from gputrain.data.cifar10 import CIFAR10, make_cifar10
 from gputrain.data.download import download_data
@@ -73,12 +74,11 @@ def test_the_default_is_torchvisions_url_and_md5_and_offline_is_one_line_before_
 def test_two_processes_train_on_data_downloaded_once_per_node(tmp_path, archive):
     path, md5 = archive
     with serving(path.parent) as (url, gets):
-        done = subprocess.run(
-            [sys.executable, "-m", "gputrain", "train", "cifar10-resnet18", "--strategy", "ddp", "--devices", "2",
-             "--epochs", "1", "--batch-size", "4", "--data-root", str(tmp_path / "data"), "--out", str(tmp_path / "run"),
-             "data.download=true", f"data.download_url={url}/{path.name}", f"data.download_md5={md5}",
-             "trainer.max_steps_per_epoch=1", "trainer.pictures=0", "trainer.progress_bar=false", "trainer.loggers=[]"],
-            capture_output=True, text=True, env=ENV, timeout=300)
+        done = run_gputrain(
+            ["train", "cifar10-resnet18", "--strategy", "ddp", "--devices", "2", "--epochs", "1", "--batch-size", "4",
+             "--data-root", str(tmp_path / "data"), "--out", str(tmp_path / "run"), "data.download=true",
+             f"data.download_url={url}/{path.name}", f"data.download_md5={md5}", "trainer.max_steps_per_epoch=1", "trainer.pictures=0", "trainer.progress_bar=false", "trainer.loggers=[]"],
+            env=ENV, timeout=300)
     assert done.returncode == 0, done.stderr
     assert gets == [f"/{path.name}"]
     assert (tmp_path / "run" / "checkpoints" / "last.pt").is_file()

@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from forked_cli import run_gputrain
+
 HERE = Path(__file__).parent
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
 
@@ -37,8 +39,8 @@ def _recipe(tmp_path: Path) -> Path:
 
 def _train(recipe: Path, out: Path, *args: str, fault: str = "", **env: str) -> subprocess.CompletedProcess:
     run_env = {**ENV, **env, **({"GPUTRAIN_TEST_FAULT": fault} if fault else {})}
-    return subprocess.run([sys.executable, "-m", "gputrain", "train", str(recipe), "--devices", "2", "--out", str(out),
-                           *args], capture_output=True, text=True, env=run_env, timeout=300)
+    return run_gputrain(["train", str(recipe), "--devices", "2", "--out", str(out), *args], env=run_env,
+                        timeout=300)
 
 
 def _weights(out: Path) -> dict[str, torch.Tensor]:

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +11,7 @@ import torchvision
 from torch import nn
 from torchvision.ops import FrozenBatchNorm2d
 
+from forked_cli import run_gputrain
 from gputrain.config import ModelConfig
 from gputrain.models import build_configured_model
 
@@ -69,8 +68,7 @@ def _train_args(out: Path, data: Path, weights: Path, *flags: str) -> list[str]:
 
 
 def _train(out: Path, data: Path, weights: Path, *flags: str) -> None:
-    done = subprocess.run([sys.executable, "-m", "gputrain", *_train_args(out, data, weights, *flags)],
-                          capture_output=True, text=True, env=ENV, timeout=300)
+    done = run_gputrain(_train_args(out, data, weights, *flags), env=ENV, timeout=300)
     assert done.returncode == 0, done.stderr
 
 

@@ -8,7 +8,6 @@ import io
 import json
 import os
 import subprocess
-import sys
 import warnings
 from pathlib import Path
 
@@ -16,6 +15,7 @@ import pytest
 import torch
 import yaml
 
+from forked_cli import run_gputrain
 from gputrain.cli import main
 from gputrain.config import load_config
 from gputrain.data.cifar10 import make_cifar10
@@ -28,7 +28,7 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
 def gputrain(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "gputrain", *args], capture_output=True, text=True, env=ENV)
+    return run_gputrain(args, env=ENV)
 
 
 def gputrain_here(*args: str) -> subprocess.CompletedProcess:

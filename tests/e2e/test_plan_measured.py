@@ -15,11 +15,11 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from forked_cli import run_gputrain
 from gputrain.cli import main
 from gputrain.data.cifar10 import make_cifar10
 from multiproc import run_ranks
@@ -37,7 +37,7 @@ TRAINED = ["trainer.accelerator=cpu", "trainer.epochs=1", "trainer.max_steps_per
 
 
 def gputrain(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "gputrain", *args], capture_output=True, text=True, env=ENV)
+    return run_gputrain(args, env=ENV)
 
 
 def plan_for(recipe: list[str], root: Path, out: Path, *flags: str, apart: bool = False) -> dict:

@@ -5,7 +5,6 @@ and 2 processes write the same files."""
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -14,6 +13,7 @@ import pytest
 import torch
 from PIL import Image
 
+from forked_cli import run_gputrain
 from gputrain.data.ade20k import make_ade20k
 from predict_runs import QUIET, _eval, _run
 
@@ -106,10 +106,9 @@ def test_output_names_stay_unique_where_a_numbered_stem_is_also_a_files_own(tmp_
 
 def test_two_processes_write_the_same_files(ade: Path) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
-    done = subprocess.run([sys.executable, "-m", "gputrain", "predict", "--devices", "2", "--accelerator", "cpu",
-                           "--checkpoint", str(ade / "run/checkpoints/last.pt"),
-                           "--input", str(ade / "data/images/validation"), "--out", str(ade / "pred2")],
-                          env=env, capture_output=True, text=True, timeout=300)
+    done = run_gputrain(["predict", "--devices", "2", "--accelerator", "cpu", "--checkpoint",
+                         str(ade / "run/checkpoints/last.pt"), "--input", str(ade / "data/images/validation"), "--out",
+                         str(ade / "pred2")], env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     one = sorted(p.relative_to(ade / "pred") for p in (ade / "pred").rglob("*") if p.is_file())
     two = sorted(p.relative_to(ade / "pred2") for p in (ade / "pred2").rglob("*") if p.is_file())

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,6 +11,7 @@ import pytest
 import torch
 import torchvision
 
+from forked_cli import run_gputrain
 from gputrain.config import ModelConfig
 from gputrain.models import build_configured_model
 from gputrain.models.pretrained import fetch, weights_source
@@ -94,8 +94,7 @@ def test_a_download_whose_hash_prefix_differs_is_refused_in_one_line(torch_home,
 
 
 def _gputrain(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "gputrain", *args], capture_output=True, text=True, env=env,
-                          timeout=300)
+    return run_gputrain(args, env=env, timeout=300)
 
 
 def test_offline_without_the_cached_file_is_one_line_naming_file_url_and_folder(tmp_path):

@@ -12,11 +12,11 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from forked_cli import run_gputrain
 from gputrain.data.imagefolder import make_frames
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
@@ -31,8 +31,7 @@ TINY = ("--accelerator", "cpu", "--batch-size", "4", "trainer.progress_bar=false
 
 
 def gputrain(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "gputrain", *map(str, args)], capture_output=True, text=True,
-                          env=ENV, cwd=cwd, timeout=600)
+    return run_gputrain(args, env=ENV, cwd=cwd, timeout=600)
 
 
 @pytest.fixture

@@ -86,10 +86,15 @@ def test_multinode_arguments_pass_through_to_torchrun():
                          ["prog"])
     assert args == ["--nproc-per-node=4", "--max-restarts=0", "--nnodes=2", "--node-rank=1", "--rdzv-backend=c10d",
                     "--rdzv-endpoint=10.0.0.1:29400", "--rdzv-id=gputrain",
-                    "--rdzv-conf=join_timeout=600,last_call_timeout=30", "prog"]
+                    "--rdzv-conf=join_timeout=600,last_call_timeout=30,keep_alive_interval=5", "prog"]
     elastic = torchrun_args(LaunchSpec(nproc_per_node=1, nnodes=1, max_nodes=3, rdzv_endpoint="h:1",
-                                       join_timeout_s=20, last_call_s=2), ["prog"])
-    assert "--nnodes=1:3" in elastic and "--rdzv-conf=join_timeout=20,last_call_timeout=2" in elastic
+                                       join_timeout_s=20, last_call_s=2, keep_alive_s=1), ["prog"])
+    assert "--nnodes=1:3" in elastic
+    assert "--rdzv-conf=join_timeout=20,last_call_timeout=2,keep_alive_interval=1" in elastic
+    # The config's launch section reaches the spec (a lost node's cost: 3 missed heartbeats, then last_call_s).
+    cfg = load_config(None, ["launch.keep_alive_s=2", "launch.last_call_s=7", "launch.join_timeout_s=9"])
+    spec = LaunchSpec.from_config(cfg)
+    assert (spec.keep_alive_s, spec.last_call_s, spec.join_timeout_s) == (2, 7, 9)
     assert "--standalone" in torchrun_args(LaunchSpec(nproc_per_node=2), [])
     with pytest.raises(ValueError, match="--nnodes 2 needs --rdzv-endpoint"):
         torchrun_args(LaunchSpec(nnodes=2), [])

@@ -130,6 +130,7 @@ RANGES: dict[str, Range] = {
     "launch.max_nodes": Range(ge=0, le=65536),
     "launch.join_timeout_s": Range(ge=1, le=10**6),
     "launch.last_call_s": Range(ge=0, le=10**6),
+    "launch.keep_alive_s": Range(ge=1, le=3600),
     "launch.node_rank": Range(ge=0, le=65535),
     "launch.max_restarts": Range(ge=0, le=1000),
 }

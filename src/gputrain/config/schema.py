@@ -294,6 +294,7 @@ class LaunchConfig:
     max_restarts: int = 0
     join_timeout_s: int = 600  # waiting for nnodes nodes, then one line (torchrun's join_timeout)
     last_call_s: int = 30  # waiting for more nodes once nnodes have joined (torchrun's last_call_timeout)
+    keep_alive_s: int = 5  # each agent's heartbeat; a node silent for 3 is gone (torchrun's keep_alive_interval)
 
 
 @dataclass(kw_only=True)

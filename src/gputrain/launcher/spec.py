@@ -55,6 +55,8 @@ class LaunchSpec:
     """Seconds the rendezvous waits for ``nnodes`` nodes."""
     last_call_s: int = 30
     """Seconds an elastic rendezvous waits for more nodes once ``nnodes`` have joined."""
+    keep_alive_s: int = 5
+    """Seconds between an agent's heartbeats; the rendezvous drops a node that missed 3 (a lost node's cost)."""
 
     @classmethod
     def from_config(cls, cfg: RunConfig) -> LaunchSpec:
@@ -65,7 +67,8 @@ class LaunchSpec:
         launch = cfg.launch
         return cls(nproc_per_node=nproc, nnodes=launch.nnodes, max_nodes=launch.max_nodes, node_rank=launch.node_rank,
                    rdzv_endpoint=launch.rdzv_endpoint, rdzv_id=launch.rdzv_id, max_restarts=launch.max_restarts,
-                   join_timeout_s=launch.join_timeout_s, last_call_s=launch.last_call_s)
+                   join_timeout_s=launch.join_timeout_s, last_call_s=launch.last_call_s,
+                   keep_alive_s=launch.keep_alive_s)
 
     @property
     def most_nodes(self) -> int:
@@ -111,6 +114,7 @@ def torchrun_args(spec: LaunchSpec, program: Sequence[str]) -> list[str]:
             "--rdzv-backend=c10d",
             f"--rdzv-endpoint={spec.rdzv_endpoint}",
             f"--rdzv-id={spec.rdzv_id}",
-            f"--rdzv-conf=join_timeout={spec.join_timeout_s},last_call_timeout={spec.last_call_s}",
+            f"--rdzv-conf=join_timeout={spec.join_timeout_s},last_call_timeout={spec.last_call_s},"
+            f"keep_alive_interval={spec.keep_alive_s}",
         ]
     return args + list(program)
