@@ -55,7 +55,9 @@ def _table(stdout: str) -> dict[str, str]:
 # About 90 s: every recipe trains through the command line, each a process of its own, as on the GPU.
 def test_the_whole_checklist_runs_on_a_cpu_and_prints_one_table(tmp_path):
     _made_here(tmp_path / "data")
-    done, out = _gpu_check(tmp_path)
+    # No pictures at the end of each run (matplotlib's import and drawing, seconds per recipe here): the checklist's
+    # verdicts read metrics.jsonl and summary.json, and the pictures have tests of their own (tests/unit/test_report.py).
+    done, out = _gpu_check(tmp_path, GPU_ARGS="trainer.pictures=0")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     rows = _table(done.stdout)
     recipes = sorted(p.stem for p in (ROOT / "src" / "gputrain" / "recipes").glob("*.yaml"))
@@ -84,7 +86,7 @@ def test_the_whole_checklist_runs_on_a_cpu_and_prints_one_table(tmp_path):
 
 def test_a_diverging_recipe_fails_the_checklist_and_the_table_names_it(tmp_path):
     done, _ = _gpu_check(tmp_path, "cifar10-resnet18", EPOCHS="2", CIFAR_COUNT="64",
-                           GPU_ARGS="optim.lr=100 trainer.batch_size=16 model.kwargs.cifar_stem=false")
+                           GPU_ARGS="optim.lr=100 trainer.batch_size=16 model.kwargs.cifar_stem=false trainer.pictures=0")
     assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
     rows = _table(done.stdout)
     assert "| NaN/inf |" in rows["cifar10-resnet18"]
