@@ -92,6 +92,10 @@ FAULTS: tuple[Fault, ...] = (
     Fault("[29] sharded folders left behind by the last saves' rotation", "src/gputrain/checkpoint/checkpointer.py",
           (("            prune_sharded_folders(self.store.folder)\n", "            pass\n"),),
           ("tests/distributed/test_sharded_resume.py::test_sharded_checkpoint_of_two_ranks_resumes_on_one_and_on_two",)),
+    Fault("[45] a resumed sharded run saves a step again beside a lost world's uncommitted shards",
+          "src/gputrain/checkpoint/checkpointer.py",
+          (("                remove_uncommitted_folders(folder)\n", "                pass\n"),),
+          ("tests/unit/test_checkpoint_store.py::test_a_sharded_save_never_committed_leaves_no_folder_after_the_next_start",)),
     # -- src/gputrain/checkpoint/files.py --------------------------------------------------------------------
     Fault("checkpoint files mode 0600", "src/gputrain/checkpoint/files.py",
           (('getattr(os, "O_CLOEXEC", 0), 0o666)', 'getattr(os, "O_CLOEXEC", 0), 0o600)'),),
@@ -133,8 +137,11 @@ FAULTS: tuple[Fault, ...] = (
           ("tests/unit/test_checkpoint_damage.py::test_a_valid_checkpoint_of_the_same_size_is_not_the_one_listed",)),
     # -- src/gputrain/checkpoint/sharded.py ------------------------------------------------------------------
     Fault("[29] the folder of the sharded save in flight is pruned", "src/gputrain/checkpoint/sharded.py",
-          (("    used = {keep}", "    used = set()"),),
+          (("    used = set(keep)", "    used = set()"),),
           ("tests/distributed/test_sharded_resume.py::test_sharded_checkpoint_of_two_ranks_resumes_on_one_and_on_two",)),
+    Fault("[45] the start's cleanup deletes the folder of a damaged checkpoint file", "src/gputrain/checkpoint/sharded.py",
+          (('    _prune(folder, {f"{pt.stem}.dcp" for pt in folder.glob("*.pt")})', '    _prune(folder, set())'),),
+          ("tests/unit/test_checkpoint_store.py::test_a_sharded_save_never_committed_leaves_no_folder_after_the_next_start",)),
     # -- src/gputrain/checkpoint/snapshot.py -----------------------------------------------------------------
     Fault('the background writer writes a non-finite copy', 'src/gputrain/checkpoint/snapshot.py',
           (('if check_finite and not tensors_finite(',

@@ -147,3 +147,26 @@ def test_an_object_refused_twice_is_named_where_the_check_met_it(tmp_path):
     bad = object()
     with pytest.raises(ValueError, match=r"^checkpoint entry state\['b'\] is a builtins\.object"):
         CheckpointStore(tmp_path).save({"model": {}, "a": bad, "b": bad}, name="step_000001")
+
+
+def test_a_sharded_save_never_committed_leaves_no_folder_after_the_next_start(tmp_path):
+    """A node killed in a sharded save leaves its step's DCP folder half written (a lost rank's shard in it) and no
+    checkpoint file naming it. The next run removes it on rank 0 before its first save, so the step saved again
+    goes into a new folder; a committed save's folder, and a damaged file's, are kept."""
+    from gputrain.checkpoint.checkpointer import Checkpointer
+    from gputrain.config.schema import TrainerConfig
+    from gputrain.dist import DistInfo
+
+    folder = tmp_path / "checkpoints"
+    for step in (4, 6, 8):
+        (folder / f"step_{step:06d}.dcp").mkdir(parents=True)
+        (folder / f"step_{step:06d}.dcp" / "__1_0.distcp").write_bytes(b"a shard")
+    torch.save({"sharded": "step_000004.dcp"}, folder / "step_000004.pt")
+    (folder / "step_000008.pt").write_bytes(b"damaged")
+    Checkpointer(folder, TrainerConfig(), DistInfo(rank=1, world_size=2), sharded=True)  # not rank 0: nothing
+    assert (folder / "step_000006.dcp").is_dir()
+    Checkpointer(folder, TrainerConfig(), DistInfo(), sharded=False)  # full checkpoints: no DCP folders of its own
+    assert (folder / "step_000006.dcp").is_dir()
+    Checkpointer(folder, TrainerConfig(), DistInfo(), sharded=True)
+    assert sorted(p.name for p in folder.iterdir()) == ["step_000004.dcp", "step_000004.pt", "step_000008.dcp",
+                                                        "step_000008.pt"]

@@ -45,6 +45,10 @@ class Checkpointer:
         self._write_group: Any = None  # the gloo group of background sharded saves, made at the first one
         if dist.is_main:
             remove_stale_temporaries(folder)
+            if sharded:
+                from gputrain.checkpoint.sharded import remove_uncommitted_folders
+
+                remove_uncommitted_folders(folder)
 
     @property
     def mode(self) -> str:

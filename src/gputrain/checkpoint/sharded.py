@@ -114,7 +114,18 @@ def new_write_group() -> dist.ProcessGroup | None:
 def prune_sharded_folders(folder: Path, keep: str = "") -> None:
     """Delete DCP folders that no checkpoint file in ``folder`` refers to (rotated away by ``trainer.keep_last``),
     except ``keep``: the folder of the save in flight, whose file is not committed yet."""
-    used = {keep}
+    _prune(folder, {keep})
+
+
+def remove_uncommitted_folders(folder: Path) -> None:
+    """Delete the DCP folders of saves never committed (a node killed mid-save): no checkpoint file refers to one,
+    or has its name (a damaged file's folder is kept). At the start of a run, on rank 0, while nothing writes: a
+    resumed run that saves the same step again then writes a new folder, never beside a lost world's shards."""
+    _prune(folder, {f"{pt.stem}.dcp" for pt in folder.glob("*.pt")})
+
+
+def _prune(folder: Path, keep: set[str]) -> None:
+    used = set(keep)
     for pt in folder.glob("*.pt"):
         try:
             used.add(torch.load(pt, map_location="cpu", weights_only=True).get("sharded", ""))
