@@ -13,8 +13,10 @@ workers) are started as they are for a user.
 
 What a fork cannot give, so such tests keep ``subprocess``: code that runs when an interpreter starts
 (``sitecustomize.py`` on ``PYTHONPATH``, as the core-install tests use), environment variables torch reads when it is
-imported (the thread count is set from ``OMP_NUM_THREADS`` here, as torch would at start), the cost of start-up
-itself, and tests that signal or wait on the command while it runs (``subprocess.Popen``).
+imported (the thread count is set from ``OMP_NUM_THREADS`` here, as torch would at start), another ``gputrain`` on
+the command's ``PYTHONPATH`` (the server's preloaded package is the one that runs: the test worker's, which under
+``make mutants`` is the planted copy), the cost of start-up itself, and tests that signal or wait on the command
+while it runs (``subprocess.Popen``).
 """
 
 from __future__ import annotations
@@ -77,6 +79,9 @@ def _command(call: bytes) -> None:
             code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
             if not isinstance(stop.code, int | None):
                 print(stop.code, file=sys.stderr)
+        except KeyboardInterrupt:  # as an interpreter ends on it: the traceback, then killed by SIGINT (status -2)
+            traceback.print_exc()
+            code = -signal.SIGINT
         except BaseException:  # noqa: BLE001  (printed as an interpreter prints an uncaught exception)
             traceback.print_exc()
             code = 1
@@ -88,6 +93,9 @@ def _command(call: bytes) -> None:
                 stream.flush()
             except (OSError, ValueError):
                 pass
+        if code == -signal.SIGINT:
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGINT)
         os._exit(code)
 
 
