@@ -22,6 +22,7 @@ while it runs (``subprocess.Popen``).
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import pickle
 import runpy
@@ -44,9 +45,9 @@ from multiproc import _forkserver
 def _site_path() -> list[str]:
     """``sys.path`` of a new interpreter of this venv, without its first entry (the folder) and ``PYTHONPATH``."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    done = subprocess.run([sys.executable, "-S", "-c", "import site, sys; site.main(); print(repr(sys.path[1:]))"],
+    done = subprocess.run([sys.executable, "-S", "-c", "import json, site, sys; site.main(); print(json.dumps(sys.path[1:]))"],
                           capture_output=True, text=True, env=env, check=True)
-    return list(eval(done.stdout))  # noqa: S307  (a list of strings this interpreter printed)
+    return list(json.loads(done.stdout))
 
 
 def _command(call: bytes) -> None:
