@@ -9,10 +9,14 @@ the end, the membership record's ``seconds_lost`` (the last checkpoint's age whe
 to the resumed step) and ``samples_retrained``, the largest weight difference from an uninterrupted one-process run,
 and whether the samples the restarted worker read are exactly the epoch plan's from the resumed step on, each once.
 
+``--scale-up``: the test of a node joining: node A trains alone (``--batch-size 4``), node B starts with the same
+command once A has saved step 2; A's agent stops its worker (a checkpoint on its SIGTERM) and both resume on two
+processes with the global batch kept. ``seconds_lost`` is then the restart's cost alone.
+
 ``--during-save``: the test's second case, with sharded checkpoints; the node is killed while its checkpoint thread
 is halted at its first fsync of step 6's shards, so the job must resume from step 4.
 
-    python benchmarks/elastic.py [--rounds 5] [--during-save] [--json out.json]
+    python benchmarks/elastic.py [--rounds 5] [--during-save | --scale-up] [--json out.json]
 """
 
 from __future__ import annotations
@@ -96,12 +100,44 @@ def one_round(root: Path, weights: dict[str, torch.Tensor], during_save: bool = 
             "each_sample_once": bool(change) and after == order[change["step"] * GLOBAL_BATCH:]}
 
 
+def scale_up_round(root: Path, weights: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """Node A alone, node B joining once A's step 2 is saved; both must end with the uninterrupted weights."""
+    from gputrain.checkpoint import model_weights
+    from gputrain.data.samplers import EpochPlan
+    from gputrain.launcher.spec import free_port
+
+    root.mkdir(parents=True)
+    port, started = free_port(), time.monotonic()
+    same = ["--batch-size", str(GLOBAL_BATCH), "launch.join_timeout_s=20"]
+    a, b = node(root, port, "A", *same), None
+    try:
+        wait_for(lambda: (root / "run" / "checkpoints" / "step_000002.pt").is_file(), 120, "A's step 2")
+        b = node(root, port, "B", *same)
+        code = max(a.wait(timeout=180), b.wait(timeout=60))
+    finally:
+        for proc in (a, b):
+            if proc is not None and proc.poll() is None:
+                kill_node(proc)
+    wall = time.monotonic() - started
+    changes = membership(root / "run")
+    ended = model_weights(root / "run" / "checkpoints" / "last.pt") if code == 0 else None
+    change = changes[0] if len(changes) == 1 else {}
+    order = EpochPlan(N, seed=0, epoch=0, dp_size=1, batch_size=GLOBAL_BATCH).order
+    together = sorted(index for _, ws, index in served(root) if ws == 2)
+    return {"exit": code, "wall_s": round(wall, 1), "changes": len(changes),
+            "seconds_lost": change.get("seconds_lost"), "samples_retrained": change.get("samples_retrained"),
+            "resumed_step": change.get("step"),
+            "max_weight_diff": None if ended is None else max(float((ended[k] - weights[k]).abs().max()) for k in weights),
+            "each_sample_once": bool(change) and together == sorted(order[change["step"] * GLOBAL_BATCH:])}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--json", type=Path)
     parser.add_argument("--during-save", action="store_true",
                         help="sharded checkpoints; the node is killed halted inside its save of step 6")
+    parser.add_argument("--scale-up", action="store_true", help="a second node joins the running job instead")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
@@ -109,7 +145,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="elastic-") as tmp:
         weights = reference(Path(tmp) / "reference")
         for k in range(args.rounds):
-            row = one_round(Path(tmp) / f"round{k}", weights, args.during_save)
+            round_root = Path(tmp) / f"round{k}"
+            row = (scale_up_round(round_root, weights) if args.scale_up
+                   else one_round(round_root, weights, args.during_save))
             rows.append(row)
             print(f"round {k + 1}: {row}", flush=True)
     exact = [r for r in rows if r["exit"] == 0 and r["changes"] == 1 and r["each_sample_once"]

@@ -373,6 +373,10 @@ FAULTS: tuple[Fault, ...] = (
           (("md5 or tv.tgz_md5", "md5 or None"),),
           (f"{DOWNLOAD}::test_the_source_is_torchvisions_unless_a_mirror_and_its_md5_are_given",)),
     # -- src/gputrain/data/images.py -------------------------------------------------------------------------
+    Fault("[39] every run imports torchvision (about 1 s of CPU per process) through the image helpers",
+          "src/gputrain/data/images.py", (("from PIL import Image\n", "from PIL import Image\nfrom torchvision.transforms import v2\n"),),
+          ("tests/unit/test_launcher_imports.py::test_training_a_model_of_ones_own_on_tensors_imports_neither_"
+           "torchvision_nor_torchcodec",)),
     Fault("[31] the header-only size check ignores an EXIF quarter turn", "src/gputrain/data/images.py",
           (("turned = im.getexif().get(_EXIF_ORIENTATION) in _QUARTER_TURNS", "turned = False"),),
           ("tests/unit/test_decode_torchcodec.py::test_exif_orientation_is_applied_where_torchvision_ignored_it",)),
@@ -680,6 +684,12 @@ FAULTS: tuple[Fault, ...] = (
     Fault("[45] torchrun's rendezvous is not given the agents' heartbeat", "src/gputrain/launcher/spec.py",
           (('            f"keep_alive_interval={spec.keep_alive_s}",', '            "",'),),
           ("tests/e2e/test_user_code.py::test_multinode_arguments_pass_through_to_torchrun",)),
+    Fault("[45] the agents share their TCP store with the workers, so a node that joins a running job never meets it",
+          "src/gputrain/launcher/spec.py",
+          (('    return {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} if spec.most_nodes > 1 else {}', "    return {}"),),
+          ("tests/e2e/test_user_code.py::test_multinode_arguments_pass_through_to_torchrun",
+           "tests/e2e/test_elastic.py::test_a_node_that_joins_a_running_job_is_taken_in_at_the_next_restart_with_the_"
+           "uninterrupted_weights")),
     # -- src/gputrain/metrics/detection.py -------------------------------------------------------------------
     Fault("mAP box conversion off by one pixel", "src/gputrain/metrics/detection.py",
           (("boxes[:, 2:] - boxes[:, :2]], dim=1)", "boxes[:, 2:] - boxes[:, :2] + 1], dim=1)"),),

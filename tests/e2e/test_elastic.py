@@ -7,8 +7,9 @@ gloo, the same command line and the same ``--out`` (tests/elastic_runs.py).
   the restarted worker reads are exactly the epoch plan's from the checkpoint on, each once.
 - Killed during a save: with sharded checkpoints, node B is SIGKILLed while its writer thread is halted at its
   first fsync of step 6's shards; step 6 is never committed, and the job resumes from step 4 with the same ending.
-- Scale-up is not tested: torch 2.14's agent, restarting the workers for a node that joined a running job, hangs in
-  the next rendezvous here (raw torchrun as well; docs/fault-tolerance.md).
+- Scale-up: node A trains alone; node B starts later with the same command. A's agent stops its worker (which saves
+  a checkpoint on the agent's SIGTERM), both meet in the next round, and the run resumes on two processes with the
+  global batch kept, ending with the uninterrupted weights.
 - Below the fewest nodes: one line and a non-zero exit within the rendezvous timeout.
 """
 
@@ -97,6 +98,45 @@ def test_a_node_killed_mid_epoch_leaves_the_job_to_the_other_with_the_uninterrup
     order = EpochPlan(el.N, seed=0, epoch=0, dp_size=1, batch_size=GLOBAL_BATCH).order
     after = [index for pid, ws, index in el.served(tmp_path) if ws == 1]
     assert after == order[change["step"] * GLOBAL_BATCH:]
+
+
+# About 20 s: one node trains, a second joins, both restart and finish together.
+def test_a_node_that_joins_a_running_job_is_taken_in_at_the_next_restart_with_the_uninterrupted_weights(tmp_path,
+                                                                                                        reference):
+    """torch's agents share their rendezvous TCP store with the workers by default, and a node that first meets the
+    others in a later round of the rendezvous then waits for an address the staying node never writes into that
+    round: the job would end at the join timeout (20 s here). gputrain turns the sharing off for several nodes."""
+    port = free_port()
+    # --batch-size 4 on both: A alone trains with the global batch of 4; after the join, 2 per process keep it.
+    same = ["--batch-size", str(GLOBAL_BATCH), "launch.join_timeout_s=20"]
+    a = el.node(tmp_path, port, "A", *same)
+    b = None
+    try:
+        el.wait_for(lambda: (tmp_path / "run" / "checkpoints" / "step_000002.pt").is_file(), 120, "A's step 2")
+        b = el.node(tmp_path, port, "B", *same)
+        assert a.wait(timeout=180) == 0, (tmp_path / "A.log").read_text()[-3000:]
+        assert b.wait(timeout=60) == 0, (tmp_path / "B.log").read_text()[-3000:]
+    finally:
+        for proc in (a, b):
+            if proc is not None and proc.poll() is None:
+                el.kill_node(proc)
+    log = (tmp_path / "A.log").read_text()
+    assert "Traceback" not in log + (tmp_path / "B.log").read_text(), log[-3000:]
+    [change] = el.membership(tmp_path / "run")
+    assert (change["event"], change["world_size_before"], change["world_size"]) == ("membership", 1, 2)
+    assert change["samples_retrained"] == 0, change  # A's worker saved its last step as the agent stopped it
+    assert f"the job went from 1 to 2 process(es) and resumed at step {change['step']}" in log
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["membership_changes"] == 1 and summary["world_size"] == 2
+    assert summary["global_step"] == el.N // GLOBAL_BATCH
+    assert _close(reference, tmp_path / "run") <= 1e-6
+    # A alone read the plan's first steps in order; the two processes together read the rest, each sample once.
+    order = EpochPlan(el.N, seed=0, epoch=0, dp_size=1, batch_size=GLOBAL_BATCH).order
+    cut = change["step"] * GLOBAL_BATCH
+    alone = [index for pid, ws, index in el.served(tmp_path) if ws == 1]
+    together = [index for pid, ws, index in el.served(tmp_path) if ws == 2]
+    assert alone[:cut] == order[:cut]
+    assert sorted(together) == sorted(order[cut:])
 
 
 def test_fewer_nodes_than_the_job_needs_end_in_one_line_within_the_rendezvous_timeout(tmp_path):

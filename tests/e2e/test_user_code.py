@@ -13,7 +13,7 @@ import torch
 
 from gputrain.config import load_config
 from gputrain.dist import launched_env
-from gputrain.launcher.spec import LaunchSpec, torchrun_args
+from gputrain.launcher.spec import LaunchSpec, torchrun_args, torchrun_env
 from gputrain.tasks import build_task
 from gputrain.tools.train import train_from_config
 
@@ -87,8 +87,9 @@ def test_multinode_arguments_pass_through_to_torchrun():
     assert args == ["--nproc-per-node=4", "--max-restarts=0", "--nnodes=2", "--node-rank=1", "--rdzv-backend=c10d",
                     "--rdzv-endpoint=10.0.0.1:29400", "--rdzv-id=gputrain",
                     "--rdzv-conf=join_timeout=600,last_call_timeout=30,keep_alive_interval=5", "prog"]
-    elastic = torchrun_args(LaunchSpec(nproc_per_node=1, nnodes=1, max_nodes=3, rdzv_endpoint="h:1",
-                                       join_timeout_s=20, last_call_s=2, keep_alive_s=1), ["prog"])
+    elastic_spec = LaunchSpec(nproc_per_node=1, nnodes=1, max_nodes=3, rdzv_endpoint="h:1", join_timeout_s=20,
+                              last_call_s=2, keep_alive_s=1)
+    elastic = torchrun_args(elastic_spec, ["prog"])
     assert "--nnodes=1:3" in elastic
     assert "--rdzv-conf=join_timeout=20,last_call_timeout=2,keep_alive_interval=1" in elastic
     # The config's launch section reaches the spec (a lost node's cost: 3 missed heartbeats, then last_call_s).
@@ -96,6 +97,10 @@ def test_multinode_arguments_pass_through_to_torchrun():
     spec = LaunchSpec.from_config(cfg)
     assert (spec.keep_alive_s, spec.last_call_s, spec.join_timeout_s) == (2, 7, 9)
     assert "--standalone" in torchrun_args(LaunchSpec(nproc_per_node=2), [])
+    # Several nodes: the agents keep their TCP store to themselves, so a node joining a later round meets the job
+    # (tests/e2e/test_elastic.py proves the join); one node has no later joiner and keeps torch's default.
+    assert torchrun_env(elastic_spec) == torchrun_env(LaunchSpec(nnodes=2)) == {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    assert torchrun_env(LaunchSpec(nproc_per_node=2, max_restarts=3)) == {}
     with pytest.raises(ValueError, match="--nnodes 2 needs --rdzv-endpoint"):
         torchrun_args(LaunchSpec(nnodes=2), [])
 

@@ -32,3 +32,22 @@ def test_the_checks_before_the_ranks_start_import_no_torch_for_any_built_in_reci
                           timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "[]", done.stdout
+
+
+USER_MODEL = """
+import sys, torch
+from gputrain import Trainer
+
+data = [(torch.randn(4), torch.randn(1)) for _ in range(8)]
+Trainer(accelerator="cpu", epochs=1, batch_size=4, progress_bar=False, pictures=0, loggers=[]).fit(
+    torch.nn.Linear(4, 1), data, loss=torch.nn.functional.mse_loss)
+print(sorted(name for name in ("torchvision", "torchcodec") if name in sys.modules))
+"""
+
+
+def test_training_a_model_of_ones_own_on_tensors_imports_neither_torchvision_nor_torchcodec(tmp_path):
+    """torchvision's import is about 1 s of CPU per process (its models, its ops and torch._dynamo's import through
+    them), TorchCodec's a little more: a run that reads no image and builds no torchvision model pays neither."""
+    done = subprocess.run([sys.executable, "-c", USER_MODEL], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout

@@ -18,8 +18,6 @@ import numpy as np
 import torch
 from PIL import Image
 from torch import Tensor
-from torchcodec.decoders import decode_image
-from torchvision.transforms import v2
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -54,6 +52,9 @@ def decode_rgb(data: bytes | Tensor, path: PathLike) -> Tensor:
     loaders make them floats in ``[0, 1]`` (:func:`to_unit_float`, ``ToDtype(scale=True)``) or ``uint8``
     (:func:`to_uint8`), never dividing them by 255.
     """
+    # Imported here: a process that decodes nothing (a model of the user's own on tensors) never imports TorchCodec.
+    from torchcodec.decoders import decode_image
+
     try:
         return decode_image(data, mode="RGB", output_dtype="auto")
     except (RuntimeError, ValueError) as e:  # ValueError: TorchCodec does not recognise the format
@@ -131,6 +132,9 @@ def normalize_transform(mean: tuple[float, ...], std: tuple[float, ...]) -> Call
 
     A 16-bit PNG's ``uint16`` becomes ``x / 65535`` (``ToDtype(scale=True)``), as in :func:`to_unit_float`.
     """
+    # Imported here: torchvision's import (about 1 s of CPU: its models, its ops and torch._dynamo) only where used.
+    from torchvision.transforms import v2
+
     return v2.Compose([v2.ToDtype(torch.float32, scale=True), v2.Normalize(list(mean), list(std))])
 
 

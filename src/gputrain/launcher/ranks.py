@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 
 from gputrain.errors import EXIT_FAILED, EXIT_OK, exit_code_for_signal
 from gputrain.launcher.failures import report_failure
-from gputrain.launcher.spec import LAUNCHER_ENV, LaunchSpec, debug, free_port, torchrun_args
+from gputrain.launcher.spec import LAUNCHER_ENV, LaunchSpec, debug, free_port, torchrun_args, torchrun_env
 
 T = TypeVar("T")
 
@@ -37,6 +37,8 @@ def run_torchrun(spec: LaunchSpec, module: str, module_args: Sequence[str]) -> N
 
     # torchrun would set 1 thread per worker and warn; a share of the cores is a better default.
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // spec.nproc_per_node)))
+    for name, value in torchrun_env(spec).items():  # a user's own setting wins
+        os.environ.setdefault(name, value)
     # --no-python with sys.executable keeps the workers on the interpreter (and venv) we run in.
     argv = ["--no-python", *torchrun_args(spec, [sys.executable, "-m", module, *module_args])]
     run(get_args_parser().parse_args(argv))

@@ -97,6 +97,18 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def torchrun_env(spec: LaunchSpec) -> dict[str, str]:
+    """What torchrun's agent must find in its environment for ``spec``.
+
+    A node that joins a running job (a scale-up, or a replacement for a lost node) first meets the others in a later
+    round of the rendezvous. With the agents' TCP store shared with the workers (torch's default since 2.4), the
+    node that stays rank 0 keeps the store of its first round and never writes its address into the later round, so
+    the newcomer waits for it until the store's timeout and the job ends (torch 2.14). Without sharing, rank 0's
+    agent publishes an address every round and its rank-0 worker hosts the workers' store, as before torch 2.4.
+    """
+    return {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} if spec.most_nodes > 1 else {}
+
+
 def torchrun_args(spec: LaunchSpec, program: Sequence[str]) -> list[str]:
     """The ``torchrun`` argument list that runs ``program`` (``-m module args...``)."""
     args = [f"--nproc-per-node={spec.nproc_per_node}", f"--max-restarts={spec.max_restarts}"]
