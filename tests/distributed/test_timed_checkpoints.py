@@ -9,6 +9,7 @@ said so, and the run would hang in a collective one rank never joins.
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -49,19 +50,27 @@ def test_time_based_checkpoints_are_saved_at_the_same_steps_on_every_rank(tmp_pa
     assert names[0] == names[1] and len(names[0]) >= 3, names  # 0.06 s apart over a 16-step epoch
 
 
-def test_a_restarted_job_records_its_membership_and_the_summary_counts_it(tmp_path, monkeypatch):
-    """A resume after torchrun restarted the workers (TORCHELASTIC_RESTART_COUNT) writes one record; a resume by
-    hand writes none."""
+def test_a_restarted_job_records_its_membership_and_the_summary_counts_it(tmp_path, monkeypatch, capsys):
+    """A resume after torchrun restarted the workers (TORCHELASTIC_RESTART_COUNT) writes one record, naming the node
+    that wrote the checkpoint and is gone and the one that took over (here a host renamed: as a requeued job
+    on another machine); a resume by hand writes none."""
     out = str(tmp_path / "run")
+    monkeypatch.setattr("socket.gethostname", lambda: "gone-host")
     Trainer(out=out, accelerator="cpu", epochs=1, batch_size=8, progress_bar=False, pictures=0,
             checkpoint_every_n_steps=2, max_steps_per_epoch=4).fit(nn.Linear(4, 1), _data(), loss=nn.functional.mse_loss)
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    monkeypatch.setattr("socket.gethostname", lambda: "new-host")
+    capsys.readouterr()
     summary = Trainer(out=out, accelerator="cpu", epochs=2, batch_size=8, progress_bar=False, pictures=0,
                       resume="auto").fit(nn.Linear(4, 1), _data(), loss=nn.functional.mse_loss)
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     [change] = [r for r in records if r.get("event") in ("membership", "restart")]
     assert (change["event"], change["world_size_before"], change["world_size"], change["step"]) == ("restart", 1, 1, 4)
     assert change["seconds_lost"] >= 0 and change["samples_retrained"] == 0
+    parent = os.getppid()
+    assert (change["nodes_left"], change["nodes_joined"]) == ([f"gone-host/{parent}"], [f"new-host/{parent}"])
+    assert (f"gputrain: the job restarted on its 1 process(es) (node gone-host/{parent} left, node new-host/{parent} "
+            "joined) and resumed at step 4") in capsys.readouterr().out
     assert (summary["restarts"], summary["membership_changes"]) == (1, 0)
     # Started again once finished, it trains nothing and records nothing (a new user's finding: it did).
     Trainer(out=out, accelerator="cpu", epochs=2, batch_size=8, progress_bar=False, pictures=0,

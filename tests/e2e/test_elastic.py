@@ -16,6 +16,7 @@ gloo, the same command line and the same ``--out`` (tests/elastic_runs.py).
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 import time
@@ -84,7 +85,9 @@ def test_a_node_killed_mid_epoch_leaves_the_job_to_the_other_with_the_uninterrup
     [change] = el.membership(tmp_path / "run")
     assert (change["event"], change["world_size_before"], change["world_size"]) == ("membership", 2, 1)
     assert change["seconds_lost"] > 0 and change["samples_retrained"] >= 0
-    assert f"the job went from 2 to 1 process(es) and resumed at step {change['step']}" in log
+    gone = f"{socket.gethostname()}/{b.pid}"  # the killed node: its agent is the workers' parent
+    assert (change["nodes_left"], change["nodes_joined"]) == ([gone], [])
+    assert f"the job went from 2 to 1 process(es) (node {gone} left) and resumed at step {change['step']}" in log
     if sharded:  # the newest committed checkpoint when B went: step 6's shards were never whole
         assert change["step"] == 4, change
         assert json.loads((tmp_path / "run" / "summary.json").read_text())["global_step"] == el.N // GLOBAL_BATCH
@@ -125,7 +128,9 @@ def test_a_node_that_joins_a_running_job_is_taken_in_at_the_next_restart_with_th
     [change] = el.membership(tmp_path / "run")
     assert (change["event"], change["world_size_before"], change["world_size"]) == ("membership", 1, 2)
     assert change["samples_retrained"] == 0, change  # A's worker saved its last step as the agent stopped it
-    assert f"the job went from 1 to 2 process(es) and resumed at step {change['step']}" in log
+    joined = f"{socket.gethostname()}/{b.pid}"
+    assert (change["nodes_left"], change["nodes_joined"]) == ([], [joined])
+    assert f"the job went from 1 to 2 process(es) (node {joined} joined) and resumed at step {change['step']}" in log
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["membership_changes"] == 1 and summary["world_size"] == 2
     assert summary["global_step"] == el.N // GLOBAL_BATCH

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from gputrain.checkpoint.files import tensors_finite
-from gputrain.dist import DistInfo, comm
+from gputrain.dist import DistInfo, comm, node_name
 
 if TYPE_CHECKING:
     from torch import nn
@@ -61,7 +61,7 @@ def checkpoint_state(parts: Parts, extra: dict[str, Any], sharded: str = "") -> 
     ``extra``: what the engine adds (``state``, ``loss_window``, ``global_batch``, ``config``). With ``sharded`` (a
     DCP folder's name beside the file), model and optimizer are in that folder instead.
     """
-    gathered = comm.gather_objects(rng_state())
+    gathered = comm.gather_objects((rng_state(), node_name()))
     weights: dict[str, Any] = {"model": {}, "optimizer": {}, "sharded": sharded} if sharded else {
         "model": parts.strategy.model_state_dict(parts.module),
         "optimizer": parts.strategy.optimizer_state_dict(parts.module, parts.optimizer),
@@ -70,8 +70,9 @@ def checkpoint_state(parts: Parts, extra: dict[str, Any], sharded: str = "") -> 
         **weights,
         "scheduler": parts.scheduler.state_dict(),
         "precision": parts.precision.state_dict(),
-        "rng": {str(rank): state for rank, state in enumerate(gathered)} if gathered else {},
+        "rng": {str(rank): state for rank, (state, _) in enumerate(gathered)} if gathered else {},
         "world_size": parts.dist.world_size,
+        "nodes": sorted({node for _, node in gathered}) if gathered else [],  # whom a membership record names
         **extra,
     }
 

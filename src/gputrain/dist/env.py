@@ -88,6 +88,15 @@ def launched_env() -> dict[str, int] | None:
     return None
 
 
+def node_name() -> str:
+    """This process's node as a membership record names it: ``host/pid`` of the process that started it (torchrun's
+    agent, gputrain's launcher or SLURM's step daemon). The pid tells apart nodes that share a host (the loopback
+    tests) and a node started again on the same host."""
+    import socket
+
+    return f"{socket.gethostname()}/{os.getppid()}"
+
+
 def restart_attempt() -> int:
     """How many times torchrun has restarted this worker group (0 on the first attempt)."""
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)

@@ -21,7 +21,7 @@ from torch import nn
 
 from gputrain.config.load import to_yaml
 from gputrain.config.schema import RunConfig
-from gputrain.dist import DistInfo, comm, restart_attempt
+from gputrain.dist import DistInfo, comm, node_name, restart_attempt
 from gputrain.runs import folder as run_folder
 from gputrain.runs import membership
 from gputrain.runs.records import append_record, last_event, strict_json
@@ -172,18 +172,25 @@ def record_membership(loop: Loop, out: Path, resume: dict[str, Any], state: Trai
     before, after = int(resume.get("world_size") or 0), loop.dist.world_size
     requeued = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
     elastic = loop.cfg.launch.max_nodes > loop.cfg.launch.nnodes  # a node that joins restarts the workers: count 0
-    if not loop.dist.is_main or (restart_attempt() == 0 and requeued == 0 and not elastic):
+    # The same on every rank (the restart count, the requeue count, the config, the resumed epoch), so every rank
+    # reaches the gather of the nodes below, or none does.
+    if restart_attempt() == 0 and requeued == 0 and not elastic:
         return
     if state.epoch >= loop.cfg.trainer.epochs:  # a finished run started again: it trains nothing, nothing changed
         return
+    nodes = comm.gather_objects(node_name())
+    if not loop.dist.is_main or nodes is None:
+        return
     record = membership.change_record(metrics=out / "metrics.jsonl", checkpoint=Path(resume["_path"]),
                                       step=state.global_step, epoch=state.epoch, before=before, after=after,
-                                      global_batch=loop.global_batch)
+                                      global_batch=loop.global_batch, nodes_before=resume.get("nodes") or [],
+                                      nodes=nodes)
     append_record(out / "metrics.jsonl", record)
     change = (f"the job went from {before} to {after} process(es)" if before != after
               else f"the job restarted on its {after} process(es)")
-    print(f"gputrain: {change} and resumed at step {state.global_step}: {record['seconds_lost']:.0f} s since that "
-          f"checkpoint, {record['samples_retrained']} sample(s) trained again", flush=True)
+    print(f"gputrain: {change}{membership.who(record)} and resumed at step {state.global_step}: "
+          f"{record['seconds_lost']:.0f} s since that checkpoint, {record['samples_retrained']} sample(s) trained again",
+          flush=True)
 
 
 def peak_memory_bytes(device: torch.device) -> int:

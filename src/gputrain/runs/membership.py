@@ -4,8 +4,9 @@ When torchrun's agents restart the workers (a node left, a node joined, a worker
 from the newest whole checkpoint, on whatever world size the rendezvous gave them. Rank 0 then appends one record:
 the step it resumed at, the world size before (the checkpoint's) and now, the seconds since that checkpoint was
 written (the work redone plus the time to notice and restart) and the samples trained after it that are trained
-again (from the newest step ``metrics.jsonl`` logged before the restart). ``summary.json`` counts them, and
-``curves.png`` marks each with a line at its epoch.
+again (from the newest step ``metrics.jsonl`` logged before the restart), and the nodes that left and joined:
+each named ``host/pid`` (:func:`gputrain.dist.node_name`), the checkpoint's nodes against this world's.
+``summary.json`` counts them, and ``curves.png`` marks each with a line at its epoch.
 """
 
 from __future__ import annotations
@@ -21,15 +22,25 @@ EVENT = "membership"
 
 
 def change_record(*, metrics: Path, checkpoint: Path, step: int, epoch: int, before: int, after: int,
-                  global_batch: int) -> dict[str, Any]:
-    """The record of a resume after a restart: where, what changed, and what it cost."""
+                  global_batch: int, nodes_before: list[str], nodes: list[str]) -> dict[str, Any]:
+    """The record of a resume after a restart: where, what changed, and what it cost. ``nodes_before``: the nodes the
+    checkpoint was written by (``host/pid``; empty for a checkpoint older than the field); ``nodes``: this world's."""
     logged = [int(r["step"]) for r in read_metrics(metrics) if "event" not in r and isinstance(r.get("step"), int)]
     redone = max(0, max(logged, default=step) - step)
     now = time.time()
     return {"time": round(now, 3), "event": EVENT if before != after else "restart", "epoch": epoch, "step": step,
             "world_size_before": before, "world_size": after,
             "seconds_lost": round(max(0.0, now - checkpoint.stat().st_mtime), 3),
-            "samples_retrained": redone * global_batch}
+            "samples_retrained": redone * global_batch,
+            "nodes_left": sorted(set(nodes_before) - set(nodes)),
+            "nodes_joined": sorted(set(nodes) - set(nodes_before)) if nodes_before else []}
+
+
+def who(record: dict[str, Any]) -> str:
+    """`` (node h/12 left)``, `` (node h/12 left, node h/15 joined)`` or nothing, for the restart's line."""
+    said = [f"node {n} left" for n in record.get("nodes_left", [])]
+    said += [f"node {n} joined" for n in record.get("nodes_joined", [])]
+    return f" ({', '.join(said)})" if said else ""
 
 
 def counts(metrics: Path) -> dict[str, int]:
