@@ -30,6 +30,13 @@ SLOW_S = 0.05
 TESTS = str(Path(__file__).resolve().parent)
 
 
+ALONE_UNTIL_STOPPED = "ELASTIC_ALONE_UNTIL_STOPPED"
+"""In a node's environment: after this many reads, a worker that is alone (world size 1) waits in its next read
+until its agent stops it (SIGTERM, as for a node that joins), so a node started later always joins a job still
+running, however slowly it starts; at most ``JOIN_WAIT_S``."""
+JOIN_WAIT_S = 120.0
+
+
 class Recorded(Dataset):
     """``N`` fixed random vectors; each read appends ``pid world_size index`` to ``served``."""
 
@@ -37,15 +44,36 @@ class Recorded(Dataset):
         g = torch.Generator().manual_seed(0)
         self.x = torch.randn(N, 8, generator=g)
         self.served = served
+        self.reads = 0
 
     def __len__(self) -> int:
         return N
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        self.reads += 1
+        alone_until = int(os.environ.get(ALONE_UNTIL_STOPPED, "0"))
+        if alone_until and self.reads == alone_until + 1 and os.environ.get("WORLD_SIZE") == "1":
+            _wait_for_sigterm()
         time.sleep(SLOW_S)
         with self.served.open("a") as f:
             f.write(f"{os.getpid()} {os.environ.get('WORLD_SIZE', '1')} {index}\n")
         return self.x[index], self.x[index].sum(0, keepdim=True)
+
+
+def _wait_for_sigterm() -> None:
+    """Wait until this process is sent SIGTERM (gputrain's own handler still runs: it stops after this step)."""
+    stopped = threading.Event()
+    handler = signal.getsignal(signal.SIGTERM)
+
+    def note(signum: int, frame: Any) -> None:
+        stopped.set()
+        if callable(handler):
+            handler(signum, frame)
+
+    signal.signal(signal.SIGTERM, note)
+    deadline = time.monotonic() + JOIN_WAIT_S
+    while not stopped.is_set() and time.monotonic() < deadline:
+        time.sleep(0.02)  # short sleeps: the handler runs between them
 
 
 def model() -> nn.Module:
@@ -110,12 +138,12 @@ def recipe(root: Path) -> Path:
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")])}
 
 
-def node(root: Path, port: int, name: str, *overrides: str) -> subprocess.Popen[str]:
+def node(root: Path, port: int, name: str, *overrides: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
     """One node: ``gputrain train`` with its torchrun agent, in a session of its own; output in ``root/name.log``."""
     log = (root / f"{name}.log").open("w")
     return subprocess.Popen([sys.executable, "-m", "gputrain", "train", str(recipe(root)), "--nnodes", "1:2",
                              "--rdzv-endpoint", f"127.0.0.1:{port}", "--max-restarts", "3", "--out",
-                             str(root / "run"), "--seed", "0", *overrides], env={**ENV, "ELASTIC_NODE": name},
+                             str(root / "run"), "--seed", "0", *overrides], env={**ENV, "ELASTIC_NODE": name, **(env or {})},
                             stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 

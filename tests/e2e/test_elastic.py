@@ -9,7 +9,8 @@ gloo, the same command line and the same ``--out`` (tests/elastic_runs.py).
   first fsync of step 6's shards; step 6 is never committed, and the job resumes from step 4 with the same ending.
 - Scale-up: node A trains alone; node B starts later with the same command. A's agent stops its worker (which saves
   a checkpoint on the agent's SIGTERM), both meet in the next round, and the run resumes on two processes with the
-  global batch kept, ending with the uninterrupted weights.
+  global batch kept, ending with the uninterrupted weights. A's worker waits in its 4th step until it is stopped:
+  on a busy machine it finished the epoch alone before B's agent was up (the test then tested nothing).
 - Below the fewest nodes: one line and a non-zero exit within the rendezvous timeout.
 """
 
@@ -112,7 +113,8 @@ def test_a_node_that_joins_a_running_job_is_taken_in_at_the_next_restart_with_th
     port = free_port()
     # --batch-size 4 on both: A alone trains with the global batch of 4; after the join, 2 per process keep it.
     same = ["--batch-size", str(GLOBAL_BATCH), "launch.join_timeout_s=20"]
-    a = el.node(tmp_path, port, "A", *same)
+    # A alone trains 3 steps and waits in its 4th until its agent stops it for B, however slowly B starts.
+    a = el.node(tmp_path, port, "A", *same, env={el.ALONE_UNTIL_STOPPED: str(3 * GLOBAL_BATCH)})
     b = None
     try:
         el.wait_for(lambda: (tmp_path / "run" / "checkpoints" / "step_000002.pt").is_file(), 120, "A's step 2")
@@ -127,7 +129,7 @@ def test_a_node_that_joins_a_running_job_is_taken_in_at_the_next_restart_with_th
     assert "Traceback" not in log + (tmp_path / "B.log").read_text(), log[-3000:]
     [change] = el.membership(tmp_path / "run")
     assert (change["event"], change["world_size_before"], change["world_size"]) == ("membership", 1, 2)
-    assert change["samples_retrained"] == 0, change  # A's worker saved its last step as the agent stopped it
+    assert (change["step"], change["samples_retrained"]) == (4, 0), change  # A saved step 4 as its agent stopped it
     joined = f"{socket.gethostname()}/{b.pid}"
     assert (change["nodes_left"], change["nodes_joined"]) == ([], [joined])
     assert f"the job went from 1 to 2 process(es) (node {joined} joined) and resumed at step {change['step']}" in log
