@@ -32,8 +32,19 @@ def change_record(*, metrics: Path, checkpoint: Path, step: int, epoch: int, bef
             "world_size_before": before, "world_size": after,
             "seconds_lost": round(max(0.0, now - checkpoint.stat().st_mtime), 3),
             "samples_retrained": redone * global_batch,
-            "nodes_left": sorted(set(nodes_before) - set(nodes)),
-            "nodes_joined": sorted(set(nodes) - set(nodes_before)) if nodes_before else []}
+            **_left_and_joined(set(nodes_before), set(nodes))}
+
+
+def _left_and_joined(before: set[str], now: set[str]) -> dict[str, list[str]]:
+    """The nodes of ``before`` not in ``now`` and the reverse. Where every node of both worlds has a host of its own
+    (a cluster) a node is its host, so a job requeued or restarted on the same machines names none; where nodes
+    share a host (several on one machine) they are told apart by ``host/pid``."""
+    if not before:  # a checkpoint older than the field: nobody to compare with
+        return {"nodes_left": [], "nodes_joined": []}
+    hosts = [{name.rsplit("/", 1)[0] for name in world} for world in (before, now)]
+    if all(len(h) == len(world) for h, world in zip(hosts, (before, now), strict=True)):
+        before, now = hosts[0], hosts[1]
+    return {"nodes_left": sorted(before - now), "nodes_joined": sorted(now - before)}
 
 
 def who(record: dict[str, Any]) -> str:
