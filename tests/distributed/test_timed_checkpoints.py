@@ -9,7 +9,6 @@ said so, and the run would hang in a collective one rank never joins.
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 from typing import Any
