@@ -1576,6 +1576,16 @@ FAULTS: tuple[Fault, ...] = (
     Fault("[45] an elastic restart leaves no membership record", "src/gputrain/engine/record.py",
           (('    append_record(out / "metrics.jsonl", record)', "    pass"),),
           ("tests/distributed/test_timed_checkpoints.py::test_a_restarted_job_records_its_membership_and_the_summary_counts_it",)),
+    Fault("[45] a rank torchrun started trains on after its node's agent is killed", "src/gputrain/cli/main.py",
+          (("            die_with_parent()", "            pass"),),
+          ("tests/e2e/test_elastic.py::test_a_node_killed_mid_epoch_leaves_the_job_to_the_other_with_the_uninterrupted_"
+           "weights[after a save]",)),
+    Fault("[45] a rank names its node when it saves, after its dead agent's worker was re-parented to init",
+          "src/gputrain/dist/env.py",
+          (("    node_name()  # while the process that started this one is still its parent\n", ""),
+           ("@functools.cache\ndef node_name", "def node_name")),
+          ("tests/e2e/test_elastic.py::test_a_node_killed_mid_epoch_leaves_the_job_to_the_other_with_the_uninterrupted_"
+           "weights[after a save]",)),
     Fault("[45] a membership record names no node that left", "src/gputrain/runs/membership.py",
           (('    return {"nodes_left": sorted(before - now), "nodes_joined": sorted(now - before)}',
             '    return {"nodes_left": [], "nodes_joined": sorted(now - before)}'),),

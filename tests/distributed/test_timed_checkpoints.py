@@ -13,11 +13,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
 from gputrain import Trainer
+from gputrain.dist import node_name
 from gputrain.engine.hooks import Hook
 from multiproc import run_ranks
 
@@ -49,16 +51,28 @@ def test_time_based_checkpoints_are_saved_at_the_same_steps_on_every_rank(tmp_pa
     assert names[0] == names[1] and len(names[0]) >= 3, names  # 0.06 s apart over a 16-step epoch
 
 
+def _rename_host(monkeypatch, host: str) -> None:
+    """This process's node named anew (it is taken once per process): the host changed, as on a requeue."""
+    monkeypatch.setattr("socket.gethostname", lambda: host)
+    node_name.cache_clear()
+
+
+@pytest.fixture(autouse=True)
+def _node_name_taken_anew():
+    yield
+    node_name.cache_clear()  # the next test in this process names its real host again
+
+
 def test_a_restarted_job_records_its_membership_and_the_summary_counts_it(tmp_path, monkeypatch, capsys):
     """A resume after torchrun restarted the workers (TORCHELASTIC_RESTART_COUNT) writes one record, naming the node
     that wrote the checkpoint and is gone and the one that took over (here a host renamed: as a requeued job
     on another machine); a resume by hand writes none."""
     out = str(tmp_path / "run")
-    monkeypatch.setattr("socket.gethostname", lambda: "gone-host")
+    _rename_host(monkeypatch, "gone-host")
     Trainer(out=out, accelerator="cpu", epochs=1, batch_size=8, progress_bar=False, pictures=0,
             checkpoint_every_n_steps=2, max_steps_per_epoch=4).fit(nn.Linear(4, 1), _data(), loss=nn.functional.mse_loss)
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
-    monkeypatch.setattr("socket.gethostname", lambda: "new-host")
+    _rename_host(monkeypatch, "new-host")
     capsys.readouterr()
     summary = Trainer(out=out, accelerator="cpu", epochs=2, batch_size=8, progress_bar=False, pictures=0,
                       resume="auto").fit(nn.Linear(4, 1), _data(), loss=nn.functional.mse_loss)

@@ -16,7 +16,10 @@ gloo, the same command line and the same ``--out`` (tests/elastic_runs.py).
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -45,6 +48,13 @@ def reference(tmp_path_factory) -> dict[str, torch.Tensor]:
     return load_checkpoint(root / "run" / "checkpoints" / "last.pt")["model"]
 
 
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "Z"
+
+
 def _close(reference: dict[str, torch.Tensor], run: Path) -> float:
     weights = model_weights(run / "checkpoints" / "last.pt")  # a full checkpoint's, or a sharded one's folder
     return max(float((weights[k] - reference[k]).abs().max()) for k in reference)
@@ -64,6 +74,7 @@ def test_a_node_killed_mid_epoch_leaves_the_job_to_the_other_with_the_uninterrup
     names = {}
     a, b = el.node(tmp_path, port, "A", *overrides), el.node(tmp_path, port, "B", *overrides)
     names[a.pid], names[b.pid] = "A", "B"
+    worker: list[int] = []
     try:
         checkpoints = tmp_path / "run" / "checkpoints"
         el.wait_for(lambda: el.hosting(port, [a.pid, b.pid]) is not None, 120, "the rendezvous store")
@@ -73,14 +84,26 @@ def test_a_node_killed_mid_epoch_leaves_the_job_to_the_other_with_the_uninterrup
             halted = el.stop_in_the_save_of(tmp_path, names[b.pid], "step_000006.dcp")
             el.wait_for(halted.is_file, 120, f"node {names[b.pid]} halting in the save of step 6")
             assert not (checkpoints / "step_000006.pt").exists()
+            el.kill_node(b)
         else:
             el.wait_for(lambda: (checkpoints / "step_000004.pt").is_file(), 120, "the checkpoint of step 4")
-        el.kill_node(b)
+            # Only the node's command (its torchrun agent) is killed, as `kill -9 PID` would: its worker, in a
+            # session of its own, must not train on without it (it stops at a step boundary, with a checkpoint).
+            worker = el.children(b.pid)
+            b.kill()
+            b.wait()
+            el.wait_for(lambda: not any(Path(f"/proc/{pid}").exists() and "Z" not in _state(pid) for pid in worker),
+                        30, "node B's worker to follow its agent")
+            # It stopped, not finished the job on two processes (A needs seconds to meet alone and resume).
+            assert not (checkpoints / f"step_{el.N // GLOBAL_BATCH:06d}.pt").exists(), "B's worker trained on"
         assert a.wait(timeout=180) == 0, (tmp_path / f"{names[a.pid]}.log").read_text()[-3000:]
     finally:
         for proc in (a, b):
             if proc.poll() is None:
                 el.kill_node(proc)
+        for pid in worker:  # a worker left behind by its killed agent (it must not be)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
     log = (tmp_path / f"{names[a.pid]}.log").read_text()
     assert "Traceback" not in log, log[-3000:]
     [change] = el.membership(tmp_path / "run")

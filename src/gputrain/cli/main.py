@@ -64,6 +64,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     worker = False
     try:
         worker = commands.is_worker()
+        if worker and _started_by_gputrain():  # a rank stops when the process that started it dies
+            from gputrain.launcher.direct import die_with_parent
+
+            die_with_parent()
         # torchrun gives each worker an error file: torch's `record` writes the exception there, for
         # the launcher to pick the first failing rank by time.
         command = _recorded(args.func) if worker and "TORCHELASTIC_ERROR_FILE" in os.environ else args.func

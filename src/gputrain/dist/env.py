@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import functools
 import gc
 import os
 import weakref
@@ -88,10 +89,12 @@ def launched_env() -> dict[str, int] | None:
     return None
 
 
+@functools.cache
 def node_name() -> str:
     """This process's node as a membership record names it: ``host/pid`` of the process that started it (torchrun's
     agent, gputrain's launcher or SLURM's step daemon). The pid tells apart nodes that share a host (the loopback
-    tests) and a node started again on the same host."""
+    tests) and a node started again on the same host. Taken once, as the process joins the job: a rank whose agent
+    was killed is re-parented before its last checkpoint, which must still name its node."""
     import socket
 
     return f"{socket.gethostname()}/{os.getppid()}"
@@ -108,6 +111,7 @@ def init_distributed(accelerator: str = "auto", timeout_s: float = 600.0) -> Dis
     Without a launcher in the environment this is a plain single process. The backend is
     nccl on CUDA and gloo on CPU.
     """
+    node_name()  # while the process that started this one is still its parent
     kind = resolve_accelerator(accelerator)
     layout = launched_env()
     if layout is None:

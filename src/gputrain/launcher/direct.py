@@ -72,6 +72,17 @@ def _die_with_launcher(launcher: int) -> None:
         os._exit(143)
 
 
+def die_with_parent() -> None:
+    """In a rank torchrun's agent started: SIGTERM when the agent dies, as the direct launcher's ranks get. torchrun
+    starts its workers in sessions of their own, so a node stopped by its command's pid alone (SIGKILL to
+    ``gputrain train``) left its worker training beside the others, with nobody to restart it; now the worker stops
+    at the next step boundary with a checkpoint, and the other nodes go on without it."""
+    parent = os.getppid()
+    if parent == 1:  # the agent is already gone
+        os._exit(143)
+    _die_with_launcher(parent)
+
+
 class _Job:
     """The ranks of one job, their error files, and the signal the launcher received (0: none)."""
 
