@@ -61,11 +61,28 @@ def reference(root: Path) -> dict[str, torch.Tensor]:
     return load_checkpoint(root / "run" / "checkpoints" / "last.pt")["model"]
 
 
+def _row(root: Path, weights: dict[str, torch.Tensor], code: int, wall: float, world_after: int) -> dict[str, Any]:
+    """A round's figures; each sample once: the processes after the change read exactly the plan's samples from the
+    resumed step on (one process: in the plan's order)."""
+    from gputrain.checkpoint import model_weights
+    from gputrain.data.samplers import EpochPlan
+
+    changes = membership(root / "run")
+    ended = model_weights(root / "run" / "checkpoints" / "last.pt") if code == 0 else None
+    change = changes[0] if len(changes) == 1 else {}
+    order = EpochPlan(N, seed=0, epoch=0, dp_size=1, batch_size=GLOBAL_BATCH).order
+    after = [index for _, ws, index in served(root) if ws == world_after]
+    rest = order[change["step"] * GLOBAL_BATCH:] if change else None
+    return {"exit": code, "wall_s": round(wall, 1), "changes": len(changes),
+            "seconds_lost": change.get("seconds_lost"), "samples_retrained": change.get("samples_retrained"),
+            "resumed_step": change.get("step"),
+            "max_weight_diff": None if ended is None else max(float((ended[k] - weights[k]).abs().max()) for k in weights),
+            "each_sample_once": rest is not None and (after == rest if world_after == 1 else sorted(after) == sorted(rest))}
+
+
 def one_round(root: Path, weights: dict[str, torch.Tensor], during_save: bool = False) -> dict[str, Any]:
     """``during_save``: sharded checkpoints, and node B killed while halted in its save of step 6 (the test's
     second case); else killed once the checkpoint of step 4 is written."""
-    from gputrain.checkpoint import model_weights
-    from gputrain.data.samplers import EpochPlan
     from gputrain.launcher.spec import free_port
 
     root.mkdir(parents=True)
@@ -87,23 +104,11 @@ def one_round(root: Path, weights: dict[str, torch.Tensor], during_save: bool = 
         for proc in (a, b):
             if proc.poll() is None:
                 kill_node(proc)
-    wall = time.monotonic() - started
-    changes = membership(root / "run")
-    ended = model_weights(root / "run" / "checkpoints" / "last.pt") if code == 0 else None
-    change = changes[0] if len(changes) == 1 else {}
-    order = EpochPlan(N, seed=0, epoch=0, dp_size=1, batch_size=GLOBAL_BATCH).order
-    after = [index for _, ws, index in served(root) if ws == 1]
-    return {"exit": code, "wall_s": round(wall, 1), "changes": len(changes),
-            "seconds_lost": change.get("seconds_lost"), "samples_retrained": change.get("samples_retrained"),
-            "resumed_step": change.get("step"),
-            "max_weight_diff": None if ended is None else max(float((ended[k] - weights[k]).abs().max()) for k in weights),
-            "each_sample_once": bool(change) and after == order[change["step"] * GLOBAL_BATCH:]}
+    return _row(root, weights, code, time.monotonic() - started, world_after=1)
 
 
 def scale_up_round(root: Path, weights: dict[str, torch.Tensor]) -> dict[str, Any]:
     """Node A alone, node B joining once A's step 2 is saved; both must end with the uninterrupted weights."""
-    from gputrain.checkpoint import model_weights
-    from gputrain.data.samplers import EpochPlan
     from gputrain.launcher.spec import free_port
 
     root.mkdir(parents=True)
@@ -118,17 +123,7 @@ def scale_up_round(root: Path, weights: dict[str, torch.Tensor]) -> dict[str, An
         for proc in (a, b):
             if proc is not None and proc.poll() is None:
                 kill_node(proc)
-    wall = time.monotonic() - started
-    changes = membership(root / "run")
-    ended = model_weights(root / "run" / "checkpoints" / "last.pt") if code == 0 else None
-    change = changes[0] if len(changes) == 1 else {}
-    order = EpochPlan(N, seed=0, epoch=0, dp_size=1, batch_size=GLOBAL_BATCH).order
-    together = sorted(index for _, ws, index in served(root) if ws == 2)
-    return {"exit": code, "wall_s": round(wall, 1), "changes": len(changes),
-            "seconds_lost": change.get("seconds_lost"), "samples_retrained": change.get("samples_retrained"),
-            "resumed_step": change.get("step"),
-            "max_weight_diff": None if ended is None else max(float((ended[k] - weights[k]).abs().max()) for k in weights),
-            "each_sample_once": bool(change) and together == sorted(order[change["step"] * GLOBAL_BATCH:])}
+    return _row(root, weights, code, time.monotonic() - started, world_after=2)
 
 
 def main() -> None:
