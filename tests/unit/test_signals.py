@@ -88,6 +88,32 @@ def test_sigusr1_stops_a_run_at_a_step_boundary_with_exit_code_138(tmp_path, own
     assert f"interrupted at epoch 1, after step 1 of that epoch (global step 1); checkpoint {folder / 'step_000001.pt'};" in capsys.readouterr().out
 
 
+class _SignalAtStep1(Hook):
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+
+    def after_step(self, ctx, logs):
+        if ctx.state.global_step == 1:
+            signal.raise_signal(self.signum)
+
+
+@pytest.mark.parametrize("restarts", ["0", "2"])
+def test_the_interrupt_line_says_when_torchrun_will_restart_the_workers_by_itself(tmp_path, own_handlers, capsys,
+                                                                                    monkeypatch, restarts):
+    """torchrun's agent stops its workers with SIGTERM before it restarts them (a node joined or left an elastic job,
+    or a rank failed with restarts left): the line must not tell the user that a resume by hand is the only way on.
+    Without restarts it says just that. Planted fault: the line ignores torchrun's restarts."""
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", restarts)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    with pytest.raises(Interrupted):
+        _fit(tmp_path, hooks=[_SignalAtStep1(signal.SIGTERM)])
+    [line] = [line for line in capsys.readouterr().out.splitlines() if line.startswith("interrupted at")]
+    automatic = "if torchrun restarts the workers (a node joined or left, or a rank failed with restarts left), " \
+                "they continue from it by themselves; if the whole job was stopped, continue with: Trainer("
+    assert (automatic in line) == (restarts == "2"), line
+    assert restarts == "2" or "step_000001.pt; continue with: Trainer(..., resume='auto'" in line, line
+
+
 def test_fit_puts_back_the_signal_handlers_it_found_after_success_and_after_failure(tmp_path, own_handlers):
     """A notebook or a script that calls fit keeps its own Ctrl-C, SIGTERM and SIGUSR1 handlers afterwards.
     Planted fault: StopRequest.__exit__ leaves the run's handlers installed."""

@@ -107,7 +107,7 @@ def cmd_train(args: argparse.Namespace, argv: Sequence[str]) -> int:
     cfg, extra = _prepare(cfg, args)
     extra = [*planned, *extra]
     t = cfg.trainer
-    if cfg.launch.max_nodes > cfg.launch.nnodes and not t.resume:  # each node continues the run in the shared --out
+    if cfg.launch.elastic and not t.resume:  # each node continues the run in the shared --out
         if not t.out:
             raise ValueError(f"--nnodes {cfg.launch.nnodes}:{cfg.launch.max_nodes} needs --out, the run folder every "
                              "node of the job shares (on storage each node can read)")

@@ -296,6 +296,11 @@ class LaunchConfig:
     last_call_s: int = 30  # waiting for more nodes once nnodes have joined (torchrun's last_call_timeout)
     keep_alive_s: int = 5  # each agent's heartbeat; a node silent for 3 is gone (torchrun's keep_alive_interval)
 
+    @property
+    def elastic(self) -> bool:
+        """Whether nodes may join or leave the running job (``--nnodes MIN:MAX``): each change restarts the workers."""
+        return self.max_nodes > self.nnodes
+
 
 @dataclass(kw_only=True)
 class RunConfig:

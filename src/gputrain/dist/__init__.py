@@ -5,6 +5,6 @@ leaving the job; :mod:`~gputrain.dist.comm`: the collectives gputrain needs; :mo
 agreement of all ranks to stop at a step boundary on a signal.
 """
 
-from gputrain.dist.env import DistInfo, device_mesh, init_distributed, launched_env, node_name, resolve_accelerator, restart_attempt, teardown
+from gputrain.dist.env import DistInfo, device_mesh, init_distributed, launched_env, node_name, resolve_accelerator, restart_attempt, restarts_left, teardown
 
-__all__ = ["DistInfo", "device_mesh", "init_distributed", "launched_env", "node_name", "resolve_accelerator", "restart_attempt", "teardown"]
+__all__ = ["DistInfo", "device_mesh", "init_distributed", "launched_env", "node_name", "resolve_accelerator", "restart_attempt", "restarts_left", "teardown"]

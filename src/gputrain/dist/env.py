@@ -105,6 +105,11 @@ def restart_attempt() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
 
 
+def restarts_left() -> int:
+    """How many more times torchrun would restart this worker group after a failure (``--max-restarts``)."""
+    return max(0, int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0) - restart_attempt())
+
+
 def init_distributed(accelerator: str = "auto", timeout_s: float = 600.0) -> DistInfo:
     """Join the job this process belongs to and return its :class:`DistInfo`.
 

@@ -171,7 +171,7 @@ def record_membership(loop: Loop, out: Path, resume: dict[str, Any], state: Trai
     ``metrics.jsonl`` and one line saying what changed and what it cost (rank 0). A resume by hand is none."""
     before, after = int(resume.get("world_size") or 0), loop.dist.world_size
     requeued = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
-    elastic = loop.cfg.launch.max_nodes > loop.cfg.launch.nnodes  # a node that joins restarts the workers: count 0
+    elastic = loop.cfg.launch.elastic  # a node that joins restarts the workers with a restart count of 0
     # The same on every rank (the restart count, the requeue count, the config, the resumed epoch), so every rank
     # reaches the gather of the nodes below, or none does.
     if restart_attempt() == 0 and requeued == 0 and not elastic:
