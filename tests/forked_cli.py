@@ -22,17 +22,19 @@ while it runs (``subprocess.Popen``).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import pickle
 import runpy
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import traceback
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from functools import cache
 from pathlib import Path
 
@@ -56,7 +58,8 @@ def _command(call: bytes) -> None:
     code = 1
     try:
         os.setsid()  # its own process group, as a job of a shell: a timeout ends the ranks it started too
-        for fd, path, flags in ((0, os.devnull, os.O_RDONLY), (1, out, os.O_WRONLY), (2, err, os.O_WRONLY)):
+        for fd, path, flags in ((0, os.devnull, os.O_RDONLY), (1, out, os.O_WRONLY | os.O_APPEND),
+                                 (2, err, os.O_WRONLY | os.O_APPEND)):
             opened = os.open(path, flags)
             os.dup2(opened, fd)
             os.close(opened)
@@ -103,12 +106,17 @@ def _command(call: bytes) -> None:
 class Started:
     """A ``gputrain`` command started by :func:`start_gputrain`; :meth:`wait` gives its ``CompletedProcess``."""
 
-    def __init__(self, args: Sequence[str], env: Mapping[str, str] | None, cwd: str | Path | None) -> None:
+    def __init__(self, args: Sequence[str], env: Mapping[str, str] | None, cwd: str | Path | None,
+                 streams: tuple[str, str] | None = None) -> None:
+        """``streams``: where its stdout and stderr go (paths, appended to); by default files read by :meth:`wait`."""
         self.args = [str(a) for a in args]
-        self._folder = tempfile.TemporaryDirectory(prefix="gputrain-command-")
-        self._out, self._err = (os.path.join(self._folder.name, name) for name in ("stdout", "stderr"))
-        for path in (self._out, self._err):
-            Path(path).touch()
+        self._folder = None if streams else tempfile.TemporaryDirectory(prefix="gputrain-command-")
+        if self._folder is not None:
+            streams = (os.path.join(self._folder.name, "stdout"), os.path.join(self._folder.name, "stderr"))
+            for path in streams:
+                Path(path).touch()
+        assert streams is not None
+        self._out, self._err = streams
         call = pickle.dumps((self.args, dict(os.environ if env is None else env), str(cwd or os.getcwd()),
                              _site_path(), self._out, self._err))
         self.process = _forkserver().Process(target=_command, args=(call,), name="gputrain")
@@ -125,8 +133,10 @@ class Started:
             except ProcessLookupError:
                 pass
             self.process.join()
-        stdout, stderr = (Path(p).read_text(errors="replace") for p in (self._out, self._err))
-        self._folder.cleanup()
+        stdout, stderr = "", ""
+        if self._folder is not None:
+            stdout, stderr = (Path(p).read_text(errors="replace") for p in (self._out, self._err))
+            self._folder.cleanup()
         command = [sys.executable, "-m", "gputrain", *self.args]
         if timed_out:
             raise subprocess.TimeoutExpired(command, timeout or 0, output=stdout, stderr=stderr)
@@ -145,3 +155,43 @@ def run_gputrain(args: Sequence[str], *, env: Mapping[str, str] | None = None, c
     """``subprocess.run([sys.executable, "-m", "gputrain", *args], capture_output=True, text=True, env=env, cwd=cwd,
     timeout=timeout)``, in a forked process (module docstring)."""
     return Started(args, env, cwd).wait(timeout)
+
+
+SHIM = Path(__file__).with_name("python_via_fork.sh")
+
+
+@contextlib.contextmanager
+def python_via_fork() -> Iterator[dict[str, str]]:
+    """The environment for a shell script that runs ``$PYTHON -m gputrain ...`` (scripts/gpu_check.sh): while this
+    context is open, each such command runs forked from the preloaded server, as :func:`run_gputrain` runs one,
+    writing to the script's own stdout and stderr and exiting with its status; ``$PYTHON`` runs anything else in
+    this interpreter's executable (tests/python_via_fork.sh)."""
+    with tempfile.TemporaryDirectory(prefix="fork-") as folder, socket.socket(socket.AF_UNIX) as server:
+        path = os.path.join(folder, "commands")
+        server.bind(path)
+        server.listen()
+        accepting = threading.Thread(target=_accept, args=(server,), daemon=True)
+        accepting.start()
+        try:
+            yield {"PYTHON": str(SHIM), "FORKED_PYTHON": sys.executable, "FORKED_SOCKET": path}
+        finally:
+            server.shutdown(socket.SHUT_RDWR)  # wakes the accept
+            accepting.join()
+
+
+def _accept(server: socket.socket) -> None:
+    while True:
+        try:
+            connection, _ = server.accept()
+        except OSError:
+            return
+        threading.Thread(target=_serve, args=(connection,), daemon=True).start()
+
+
+def _serve(connection: socket.socket) -> None:
+    """One ``$PYTHON -m gputrain ARGS`` of the script: the shim's arguments, environment, folder and pid in, the
+    exit status out (the shim's own stdout and stderr are the command's)."""
+    with connection:
+        args, env, cwd, pid = json.loads(connection.makefile().readline())
+        done = Started(args, env, cwd, streams=(f"/proc/{pid}/fd/1", f"/proc/{pid}/fd/2")).wait()
+        connection.sendall(f"{done.returncode}\n".encode())
