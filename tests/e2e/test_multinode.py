@@ -1,9 +1,9 @@
 """Multi-node, run for real: two "nodes" on 127.0.0.1 train as one 2-rank job.
 
-Each node is its own ``gputrain train`` command (its own torchrun agent, or its own SLURM task)
-with its own ``--out`` folder, as on two machines; only the data folder is shared. The job must
-end with the weights of a 2-process single-node run of the same settings, and only rank 0's
-folder receives the run (checkpoints, summary).
+Each node is its own ``gputrain train`` command (its own torchrun agent, or its own SLURM task; a process forked from
+the preloaded server, tests/forked_cli.py) with its own ``--out`` folder, as on two machines; only the data folder is
+shared. The job must end with the weights of a 2-process single-node run of the same settings, and only rank 0's folder
+receives the run (checkpoints, summary).
 """
 
 from __future__ import annotations
@@ -11,12 +11,12 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from forked_cli import Started, start_gputrain
 from gputrain.data.imagefolder import make_frames
 from gputrain.launcher.spec import free_port
 
@@ -36,24 +36,20 @@ def _clean_env(**extra: str) -> dict[str, str]:
 
 
 def _train_args(data: Path, out: Path) -> list[str]:
-    return [sys.executable, "-m", "gputrain", "train", "autoencoder", "--accelerator", "cpu",
+    return ["train", "autoencoder", "--accelerator", "cpu",
             "--data-root", str(data), "--out", str(out), "--epochs", "2", "--batch-size", "2", "--seed", "0",
             "trainer.progress_bar=false", "trainer.loggers=[]", "trainer.log_every_n_steps=1"]
 
 
+def _start_all(commands: list[tuple[list[str], dict[str, str]]], cwds: list[Path] | None = None) -> list[Started]:
+    """Start every ``gputrain`` command at once (the nodes must meet), each a process of its own forked from the
+    preloaded server (tests/forked_cli.py): a node's agent imports torch, 3 CPU-s in a new interpreter."""
+    return [start_gputrain(args, env=env, cwd=cwds[k] if cwds else None) for k, (args, env) in enumerate(commands)]
+
+
 def _run_all(commands: list[tuple[list[str], dict[str, str]]]) -> list[subprocess.CompletedProcess]:
-    """Start every command at once (the nodes must meet), then wait for all of them."""
-    procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for cmd, env in commands]
-    done = []
-    try:
-        for proc in procs:
-            out, err = proc.communicate(timeout=TIMEOUT_S)
-            done.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
+    """Run every command at once, and wait for all of them; each must succeed."""
+    done = [started.wait(timeout=TIMEOUT_S) for started in _start_all(commands)]
     for d in done:
         assert d.returncode == 0, f"{' '.join(map(str, d.args))} exited {d.returncode}:\n{d.stdout[-2000:]}\n" \
                                   f"{d.stderr[-4000:]}"
@@ -147,18 +143,17 @@ def test_resume_auto_fails_in_one_line_when_another_node_cannot_read_the_checkpo
         home.mkdir()
     endpoint = f"127.0.0.1:{free_port()}"
 
-    def commands(extra: list[str]) -> list[subprocess.Popen]:
-        return [subprocess.Popen(_train_args(frames, Path("run")) + [
+    def commands(extra: list[str]) -> list[Started]:
+        return _start_all([(_train_args(frames, Path("run")) + [
             "--nnodes", "2", "--node-rank", str(k), "--rdzv-endpoint", endpoint, "--devices", "1", *extra],
-            cwd=homes[k], env=_clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-            for k in range(2)]
+            _clean_env()) for k in range(2)], cwds=homes)
 
-    for proc in commands(["--epochs", "1"]):
-        assert proc.wait(timeout=TIMEOUT_S) == 0
+    for started in commands(["--epochs", "1"]):
+        assert started.wait(timeout=TIMEOUT_S).returncode == 0
     endpoint = f"127.0.0.1:{free_port()}"
-    results = [(p.wait(timeout=TIMEOUT_S), p.communicate()[1]) for p in commands(["--epochs", "2", "--resume", "auto"])]
-    assert all(code != 0 for code, _ in results)
-    errors = "".join(err for _, err in results)
+    results = [started.wait(timeout=TIMEOUT_S) for started in commands(["--epochs", "2", "--resume", "auto"])]
+    assert all(done.returncode != 0 for done in results)
+    errors = "".join(done.stderr for done in results)
     assert "cannot read run/checkpoints/" in errors and "the checkpoint rank 0 resumes from" in errors
     assert "Traceback" not in errors
     assert not (homes[1] / "run" / "checkpoints").exists()  # node 1 did not start a run of its own
