@@ -1578,7 +1578,8 @@ FAULTS: tuple[Fault, ...] = (
           ("tests/distributed/test_timed_checkpoints.py::test_a_restarted_job_records_its_membership_and_the_summary_counts_it",)),
     Fault("[45] a rank torchrun started trains on after its node's agent is killed", "src/gputrain/cli/main.py",
           (("            die_with_parent()", "            pass"),),
-          ("tests/e2e/test_faults.py::test_a_rank_torchrun_started_leaves_when_its_agent_is_killed",)),
+          ("tests/e2e/test_elastic.py::test_a_node_killed_mid_epoch_leaves_the_job_to_the_other_with_the_uninterrupted_"
+           "weights[after a save]",)),
     Fault("[45] a rank names its node when it saves, after its dead agent's worker was re-parented to init",
           "src/gputrain/dist/env.py",
           (("    node_name()  # while the process that started this one is still its parent\n", ""),
