@@ -16,7 +16,10 @@ processes with the global batch kept. ``seconds_lost`` is then the restart's cos
 ``--during-save``: the test's second case, with sharded checkpoints; the node is killed while its checkpoint thread
 is halted at its first fsync of step 6's shards, so the job must resume from step 4.
 
-    python benchmarks/elastic.py [--rounds 5] [--during-save | --scale-up] [--json out.json]
+    python benchmarks/elastic.py [--rounds 5] [--during-save | --scale-up] [--json out.json] [OVERRIDE ...]
+
+OVERRIDEs go to both nodes' command lines, after the test's recipe (which beats every second and waits 5 s for more
+nodes): ``launch.keep_alive_s=5 launch.last_call_s=30`` measures gputrain's defaults.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from elastic_runs import (  # noqa: E402
+    WEIGHTS_TOL,
     N,
     hosting,
     kill_node,
@@ -80,14 +84,15 @@ def _row(root: Path, weights: dict[str, torch.Tensor], code: int, wall: float, w
             "each_sample_once": rest is not None and (after == rest if world_after == 1 else sorted(after) == sorted(rest))}
 
 
-def one_round(root: Path, weights: dict[str, torch.Tensor], during_save: bool = False) -> dict[str, Any]:
+def one_round(root: Path, weights: dict[str, torch.Tensor], during_save: bool = False,
+              extra: tuple[str, ...] = ()) -> dict[str, Any]:
     """``during_save``: sharded checkpoints, and node B killed while halted in its save of step 6 (the test's
     second case); else killed once the checkpoint of step 4 is written."""
     from gputrain.launcher.spec import free_port
 
     root.mkdir(parents=True)
     port, started = free_port(), time.monotonic()
-    overrides = ["parallel.sharded_checkpoint=true"] if during_save else []
+    overrides = [*(["parallel.sharded_checkpoint=true"] if during_save else []), *extra]
     a, b = node(root, port, "A", *overrides), node(root, port, "B", *overrides)
     names = {a.pid: "A", b.pid: "B"}
     try:
@@ -107,13 +112,13 @@ def one_round(root: Path, weights: dict[str, torch.Tensor], during_save: bool = 
     return _row(root, weights, code, time.monotonic() - started, world_after=1)
 
 
-def scale_up_round(root: Path, weights: dict[str, torch.Tensor]) -> dict[str, Any]:
+def scale_up_round(root: Path, weights: dict[str, torch.Tensor], extra: tuple[str, ...] = ()) -> dict[str, Any]:
     """Node A alone, node B joining once A's step 2 is saved; both must end with the uninterrupted weights."""
     from gputrain.launcher.spec import free_port
 
     root.mkdir(parents=True)
     port, started = free_port(), time.monotonic()
-    same = ["--batch-size", str(GLOBAL_BATCH), "launch.join_timeout_s=20"]
+    same = ["--batch-size", str(GLOBAL_BATCH), "launch.join_timeout_s=20", *extra]
     a, b = node(root, port, "A", *same), None
     try:
         wait_for(lambda: (root / "run" / "checkpoints" / "step_000002.pt").is_file(), 120, "A's step 2")
@@ -133,6 +138,7 @@ def main() -> None:
     parser.add_argument("--during-save", action="store_true",
                         help="sharded checkpoints; the node is killed halted inside its save of step 6")
     parser.add_argument("--scale-up", action="store_true", help="a second node joins the running job instead")
+    parser.add_argument("overrides", nargs="*", help="config overrides for both nodes, e.g. launch.last_call_s=30")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
@@ -141,19 +147,21 @@ def main() -> None:
         weights = reference(Path(tmp) / "reference")
         for k in range(args.rounds):
             round_root = Path(tmp) / f"round{k}"
-            row = (scale_up_round(round_root, weights) if args.scale_up
-                   else one_round(round_root, weights, args.during_save))
+            extra = tuple(args.overrides)
+            row = (scale_up_round(round_root, weights, extra) if args.scale_up
+                   else one_round(round_root, weights, args.during_save, extra))
             rows.append(row)
             print(f"round {k + 1}: {row}", flush=True)
     exact = [r for r in rows if r["exit"] == 0 and r["changes"] == 1 and r["each_sample_once"]
-             and r["max_weight_diff"] is not None and r["max_weight_diff"] <= 1e-6]
+             and r["max_weight_diff"] is not None and r["max_weight_diff"] <= WEIGHTS_TOL]
     print("\n| round | exit | wall s | seconds lost | samples retrained | resumed at step | max weight diff | each sample once |"
           "\n|---|---|---|---|---|---|---|---|")
     for k, r in enumerate(rows, 1):
         print(f"| {k} | {r['exit']} | {r['wall_s']} | {r['seconds_lost']} | {r['samples_retrained']} | "
               f"{r['resumed_step']} | {r['max_weight_diff']} | {r['each_sample_once']} |")
     lost = [r["seconds_lost"] for r in rows if r["seconds_lost"] is not None]
-    print(f"\n{len(exact)} of {len(rows)} rounds exact (exit 0, one change, weights within 1e-6, each sample once); "
+    print(f"\n{len(exact)} of {len(rows)} rounds exact (exit 0, one change, weights within {WEIGHTS_TOL:g}, each "
+          f"sample once); "
           f"seconds lost per change: median {statistics.median(lost) if lost else 'n/a'}")
     if args.json:
         meta = {"date": datetime.date.today().isoformat(), "machine": platform.node(), "cores": os.cpu_count(),

@@ -1,7 +1,10 @@
+import contextlib
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -116,6 +119,50 @@ def test_a_rank_that_cannot_start_leaves_none_of_the_others_running(monkeypatch)
         for proc in started:
             proc.kill()
             proc.wait()
+
+
+ORPHAN_RANK = '''
+import os, pathlib, time
+
+pathlib.Path(os.environ["MARKER_DIR"], "rank" + os.environ["RANK"]).write_text(str(os.getpid()))
+time.sleep(120)  # outside any collective, and not gputrain's command line: nothing but the kernel's signal ends it
+'''
+
+
+def test_ranks_end_when_their_launcher_is_killed_whatever_they_run(tmp_path):
+    """SIGKILL to the direct launcher alone (it cannot forward that): each rank asked the kernel for SIGTERM when its
+    launcher dies (PR_SET_PDEATHSIG) as it started, so none is orphaned, whatever it runs: ``gputrain.launch`` runs
+    a caller's function, not gputrain's command line (whose ranks ask again as they start, issue 45)."""
+    (tmp_path / "orphan_rank.py").write_text(ORPHAN_RANK)
+    path = os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH", "")) if p)  # gputrain's copy too
+    env = {**os.environ, "PYTHONPATH": path, "MARKER_DIR": str(tmp_path)}
+    launcher = subprocess.Popen([sys.executable, "-c", "from gputrain.launcher.direct import run_direct\n"
+                                 "run_direct(2, 'orphan_rank', [])"], env=env, start_new_session=True)
+    pids: list[int] = []
+    try:
+        deadline = time.monotonic() + 120  # a bound for a broken launch, not a speed check
+        while len(pids) < 2:
+            assert launcher.poll() is None and time.monotonic() < deadline, "the ranks never started"
+            pids = [int(p.read_text()) for p in tmp_path.glob("rank[01]") if p.read_text()]
+            time.sleep(0.05)
+        launcher.kill()
+        launcher.wait()
+        deadline = time.monotonic() + 30
+        while any(_running(pid) for pid in pids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not [pid for pid in pids if _running(pid)], "ranks left running after their launcher was killed"
+    finally:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` is a live process (a zombie waiting for init to reap it counts as gone)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 FAKE_RANK = '''
