@@ -19,9 +19,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from gputrain.checkpoint.state import position
 from gputrain.config.load import to_yaml
-from gputrain.config.schema import RunConfig
-from gputrain.dist import DistInfo, comm, node_name, restart_attempt
+from gputrain.config.schema import LaunchConfig, RunConfig
+from gputrain.dist import DistInfo, comm, node_name, restart_attempt, restarts_left
 from gputrain.runs import folder as run_folder
 from gputrain.runs import membership
 from gputrain.runs.records import append_record, last_event, strict_json
@@ -164,6 +165,16 @@ def write_summary(loop: Loop, out: Path, state: TrainState, metrics: dict[str, f
             summary["pace"] = pace
         (out / "summary.json").write_text(strict_json(summary, indent=2))
     return summary
+
+
+def interrupted_line(state: TrainState, where: str, command: str, launch: LaunchConfig) -> str:
+    """The one line a run stopped by a signal prints: where it stopped, its checkpoint, and how to go on."""
+    line = f"interrupted at {position(state)}; {where}; "
+    if not (launch.elastic or restarts_left()):
+        return line + f"continue with: {command}"
+    # torchrun's agent stops the workers this way before it restarts them: the job may go on by itself.
+    return line + (f"if torchrun restarts the workers (a node joined or left, or a rank failed with restarts left), "
+                   f"they continue from it by themselves; if the whole job was stopped, continue with: {command}")
 
 
 def record_membership(loop: Loop, out: Path, resume: dict[str, Any], state: TrainState) -> None:

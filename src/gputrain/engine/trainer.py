@@ -20,11 +20,11 @@ from typing import Any
 from torch import nn
 from torch.utils.data import Dataset
 
-from gputrain.checkpoint.state import TrainState, position
+from gputrain.checkpoint.state import TrainState
 from gputrain.config.checks import validate
 from gputrain.config.load import to_dict
 from gputrain.config.schema import RunConfig, TrainerConfig
-from gputrain.dist import DistInfo, init_distributed, restart_attempt, restarts_left
+from gputrain.dist import DistInfo, init_distributed, restart_attempt
 from gputrain.dist.stop import StopRequest
 from gputrain.engine import forensics, record, setup
 from gputrain.engine.built import BuiltRun
@@ -215,7 +215,7 @@ class Trainer(BuiltRun):
         if signum:
             saved = self.save(f"step_{self.state.global_step:06d}", wait=True) if loop.checkpointer else None
             where = f"checkpoint {saved}" if saved else "no checkpoint (trainer.enable_checkpointing=false)"
-            message = f"interrupted at {position(self.state)}; {where}; {self._how_to_continue()}"
+            message = record.interrupted_line(self.state, where, self._resume_command(), self.cfg.launch)
             if self.dist.is_main:
                 print(message, flush=True)
             raise Interrupted(signum, message)
@@ -239,14 +239,10 @@ class Trainer(BuiltRun):
         self.saved_at = time.monotonic()
         return saved
 
-    def _how_to_continue(self) -> str:
-        command = self.resume_command(self.out) if self.resume_command is not None else \
-            f"Trainer(..., resume='auto', out='{self.out}').fit(...)"
-        if not (self.cfg.launch.elastic or restarts_left()):
-            return f"continue with: {command}"
-        # torchrun's agent stops the workers this way before it restarts them: the job may go on by itself.
-        return (f"if torchrun restarts the workers (a node joined or left, or a rank failed with restarts left), they "
-                f"continue from it by themselves; if the whole job was stopped, continue with: {command}")
+    def _resume_command(self) -> str:
+        if self.resume_command is not None:
+            return self.resume_command(self.out)
+        return f"Trainer(..., resume='auto', out='{self.out}').fit(...)"
 
     def discard_untrained_run(self) -> None:
         """After a fresh run failed before its first optimizer step, remove what it wrote (rank 0)."""
