@@ -166,32 +166,37 @@ def python_via_fork() -> Iterator[dict[str, str]]:
     context is open, each such command runs forked from the preloaded server, as :func:`run_gputrain` runs one,
     writing to the script's own stdout and stderr and exiting with its status; ``$PYTHON`` runs anything else in
     this interpreter's executable (tests/python_via_fork.sh)."""
+    commands: list[Started] = []
     with tempfile.TemporaryDirectory(prefix="fork-") as folder, socket.socket(socket.AF_UNIX) as server:
         path = os.path.join(folder, "commands")
         server.bind(path)
         server.listen()
-        accepting = threading.Thread(target=_accept, args=(server,), daemon=True)
+        accepting = threading.Thread(target=_accept, args=(server, commands), daemon=True)
         accepting.start()
         try:
             yield {"PYTHON": str(SHIM), "FORKED_PYTHON": sys.executable, "FORKED_SOCKET": path}
         finally:
             server.shutdown(socket.SHUT_RDWR)  # wakes the accept
             accepting.join()
+            for command in commands:  # a script timed out or killed mid-command leaves none running
+                if command.process.exitcode is None:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(command.process.pid, signal.SIGKILL)
 
 
-def _accept(server: socket.socket) -> None:
+def _accept(server: socket.socket, commands: list[Started]) -> None:
     while True:
         try:
             connection, _ = server.accept()
         except OSError:
             return
-        threading.Thread(target=_serve, args=(connection,), daemon=True).start()
+        threading.Thread(target=_serve, args=(connection, commands), daemon=True).start()
 
 
-def _serve(connection: socket.socket) -> None:
+def _serve(connection: socket.socket, commands: list[Started]) -> None:
     """One ``$PYTHON -m gputrain ARGS`` of the script: the shim's arguments, environment, folder and pid in, the
     exit status out (the shim's own stdout and stderr are the command's)."""
     with connection:
         args, env, cwd, pid = json.loads(connection.makefile().readline())
-        done = Started(args, env, cwd, streams=(f"/proc/{pid}/fd/1", f"/proc/{pid}/fd/2")).wait()
-        connection.sendall(f"{done.returncode}\n".encode())
+        commands.append(Started(args, env, cwd, streams=(f"/proc/{pid}/fd/1", f"/proc/{pid}/fd/2")))
+        connection.sendall(f"{commands[-1].wait().returncode}\n".encode())
