@@ -41,6 +41,12 @@ one worker, so a module fixture such as a trained run is built once): the files 
 short unit tests last, to even out the two workers' ends."""
 
 
+def pytest_collection_finish(session):
+    import frozen_gc
+
+    frozen_gc.freeze()  # the collected tests and every import stay to the end: out of the collector's scans
+
+
 def pytest_collection_modifyitems(config, items):
     def tier(item: pytest.Item) -> int:
         parts = Path(str(item.path)).parts

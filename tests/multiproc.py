@@ -28,7 +28,7 @@ from gputrain.dist import init_distributed, teardown
 from gputrain.launcher.ranks import launch_all
 from gputrain.launcher.spec import free_port
 
-PRELOADED = ["torch", "torch.distributed", "torchvision", "gputrain.dist", "gputrain.engine", "multiproc"]
+PRELOADED = ["torch", "torch.distributed", "torchvision", "gputrain.dist", "gputrain.engine", "multiproc", "frozen_gc"]
 """What the fork server imports once: a forked rank finds these loaded (nothing runs a torch op before a fork)."""
 
 
