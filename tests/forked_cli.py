@@ -110,12 +110,12 @@ class Started:
                  streams: tuple[str, str] | None = None) -> None:
         """``streams``: where its stdout and stderr go (paths, appended to); by default files read by :meth:`wait`."""
         self.args = [str(a) for a in args]
-        self._folder = None if streams else tempfile.TemporaryDirectory(prefix="gputrain-command-")
-        if self._folder is not None:
+        self._folder = None
+        if streams is None:
+            self._folder = tempfile.TemporaryDirectory(prefix="gputrain-command-")
             streams = (os.path.join(self._folder.name, "stdout"), os.path.join(self._folder.name, "stderr"))
             for path in streams:
                 Path(path).touch()
-        assert streams is not None
         self._out, self._err = streams
         call = pickle.dumps((self.args, dict(os.environ if env is None else env), str(cwd or os.getcwd()),
                              _site_path(), self._out, self._err))
