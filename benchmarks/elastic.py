@@ -145,9 +145,9 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory(prefix="elastic-") as tmp:
         weights = reference(Path(tmp) / "reference")
+        extra = tuple(args.overrides)
         for k in range(args.rounds):
             round_root = Path(tmp) / f"round{k}"
-            extra = tuple(args.overrides)
             row = (scale_up_round(round_root, weights, extra) if args.scale_up
                    else one_round(round_root, weights, args.during_save, extra))
             rows.append(row)
