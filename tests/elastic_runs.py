@@ -11,6 +11,7 @@ committed, and says so in a file, so the test can SIGKILL the node there.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -142,13 +143,47 @@ def recipe(root: Path) -> Path:
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")])}
 
 
-def node(root: Path, port: int, name: str, *overrides: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
-    """One node: ``gputrain train`` with its torchrun agent, in a session of its own; output in ``root/name.log``."""
-    log = (root / f"{name}.log").open("w")
-    return subprocess.Popen([sys.executable, "-m", "gputrain", "train", str(recipe(root)), "--nnodes", "1:2",
-                             "--rdzv-endpoint", f"127.0.0.1:{port}", "--max-restarts", "3", "--out",
-                             str(root / "run"), "--seed", "0", *overrides], env={**ENV, "ELASTIC_NODE": name, **(env or {})},
-                            stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+class ForkedNode:
+    """A node's ``gputrain train`` forked from the test worker's preloaded server (tests/forked_cli.py), with the
+    part of ``subprocess.Popen`` the tests use: its agent's import of torch is not paid again for every node (its
+    workers are new interpreters, as torchrun starts them)."""
+
+    def __init__(self, started: Any) -> None:
+        self.process = started.process
+        self.pid: int = self.process.pid
+
+    def poll(self) -> int | None:
+        return self.process.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self.process.join(timeout)
+        if self.process.exitcode is None:
+            raise subprocess.TimeoutExpired(f"node {self.pid}", timeout or 0)
+        return self.process.exitcode
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGKILL)
+
+
+Node = subprocess.Popen[str] | ForkedNode
+
+
+def node(root: Path, port: int, name: str, *overrides: str, env: dict[str, str] | None = None,
+         fork: bool = False) -> Node:
+    """One node: ``gputrain train`` with its torchrun agent, in a session of its own; output in ``root/name.log``.
+    ``fork``: forked from the preloaded server (the tests), else a new interpreter (benchmarks/elastic.py, whose
+    figures include a node's start)."""
+    args = ["train", str(recipe(root)), "--nnodes", "1:2", "--rdzv-endpoint", f"127.0.0.1:{port}", "--max-restarts",
+            "3", "--out", str(root / "run"), "--seed", "0", *overrides]
+    environ, log = {**ENV, "ELASTIC_NODE": name, **(env or {})}, root / f"{name}.log"
+    if fork:
+        from forked_cli import Started
+
+        log.write_text("")
+        return ForkedNode(Started(args, environ, None, streams=(str(log), str(log))))
+    return subprocess.Popen([sys.executable, "-m", "gputrain", *args], env=environ, stdout=log.open("w"),
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
 def hosting(port: int, pids: list[int]) -> int | None:
@@ -187,7 +222,7 @@ def children(pid: int) -> list[int]:
     return found
 
 
-def kill_node(proc: subprocess.Popen[str]) -> None:
+def kill_node(proc: Node) -> None:
     """SIGKILL a node: its agent and every worker (the workers lead sessions of their own)."""
     for pid in [proc.pid, *children(proc.pid)]:
         try:

@@ -21,8 +21,6 @@ import json
 import os
 import signal
 import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -30,6 +28,7 @@ import pytest
 import torch
 
 import elastic_runs as el
+from forked_cli import run_gputrain
 from gputrain.checkpoint import load_checkpoint, model_weights
 from gputrain.cli import main
 from gputrain.data.samplers import EpochPlan
@@ -72,7 +71,7 @@ def test_a_node_killed_mid_epoch_leaves_the_job_to_the_other_with_the_uninterrup
     # Both start at once, so both meet in the first round; the one that does not host the rendezvous store goes.
     overrides = ["parallel.sharded_checkpoint=true"] if sharded else []
     names = {}
-    a, b = el.node(tmp_path, port, "A", *overrides), el.node(tmp_path, port, "B", *overrides)
+    a, b = el.node(tmp_path, port, "A", *overrides, fork=True), el.node(tmp_path, port, "B", *overrides, fork=True)
     names[a.pid], names[b.pid] = "A", "B"
     worker: list[int] = []
     try:
@@ -137,11 +136,11 @@ def test_a_node_that_joins_a_running_job_is_taken_in_at_the_next_restart_with_th
     # --batch-size 4 on both: A alone trains with the global batch of 4; after the join, 2 per process keep it.
     same = ["--batch-size", str(GLOBAL_BATCH), "launch.join_timeout_s=20"]
     # A alone trains 3 steps and waits in its 4th until its agent stops it for B, however slowly B starts.
-    a = el.node(tmp_path, port, "A", *same, env={el.ALONE_UNTIL_STOPPED: str(3 * GLOBAL_BATCH)})
+    a = el.node(tmp_path, port, "A", *same, env={el.ALONE_UNTIL_STOPPED: str(3 * GLOBAL_BATCH)}, fork=True)
     b = None
     try:
         el.wait_for(lambda: (tmp_path / "run" / "checkpoints" / "step_000002.pt").is_file(), 120, "A's step 2")
-        b = el.node(tmp_path, port, "B", *same)
+        b = el.node(tmp_path, port, "B", *same, fork=True)
         assert a.wait(timeout=180) == 0, (tmp_path / "A.log").read_text()[-3000:]
         assert b.wait(timeout=60) == 0, (tmp_path / "B.log").read_text()[-3000:]
     finally:
@@ -174,9 +173,9 @@ def test_a_node_that_joins_a_running_job_is_taken_in_at_the_next_restart_with_th
 
 def test_fewer_nodes_than_the_job_needs_end_in_one_line_within_the_rendezvous_timeout(tmp_path):
     start = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "gputrain", "train", str(el.recipe(tmp_path)), "--nnodes", "2:2",
-                           "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--out", str(tmp_path / "run"),
-                           "launch.join_timeout_s=5"], env=el.ENV, capture_output=True, text=True, timeout=120)
+    done = run_gputrain(["train", str(el.recipe(tmp_path)), "--nnodes", "2:2", "--rdzv-endpoint",
+                         f"127.0.0.1:{free_port()}", "--out", str(tmp_path / "run"), "launch.join_timeout_s=5"],
+                        env=el.ENV, timeout=120)
     assert done.returncode != 0 and time.monotonic() - start < 5 + 30
     lines = done.stderr.strip().splitlines()
     assert lines[-1].startswith("gputrain: error: fewer than 2 node(s) met at the rendezvous 127.0.0.1:")
