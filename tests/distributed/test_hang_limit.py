@@ -19,6 +19,7 @@ import pytest
 TESTS = Path(__file__).resolve().parent.parent
 
 DEADLOCK = '''
+import os
 import subprocess
 import sys
 
@@ -26,7 +27,7 @@ import torch
 import torch.distributed as dist
 import pytest
 
-from multiproc import run_ranks
+from multiproc import _forkserver, run_ranks
 
 
 def wait_for_the_other_rank(info):
@@ -40,8 +41,18 @@ HELPER = chr(10).join(["import time", "def wait_in_a_helper_process():", "    ti
                      "wait_in_a_helper_process()"])
 
 
-@pytest.mark.timeout({limit})
-def test_two_ranks_wait_for_each_other(tmp_path):
+@pytest.fixture
+def fork_server_up():
+    # The fork server imports torch as it starts (3 s here, twice that on a loaded machine): started before the
+    # limit's clock runs (func_only), so the limit is the ranks' start and wait alone.
+    context = _forkserver()
+    warm = context.Process(target=os.getpid)
+    warm.start()
+    warm.join()
+
+
+@pytest.mark.timeout({limit}, func_only=True)
+def test_two_ranks_wait_for_each_other(tmp_path, fork_server_up):
     # A plain Python process the test started too: its stack comes from PYTHONFAULTHANDLER alone (torch's elastic
     # error handler enables faulthandler in the ranks by itself).
     helper = subprocess.Popen([sys.executable, "-c", HELPER], stderr=open(tmp_path / "helper.err", "w"))
@@ -52,11 +63,11 @@ def test_two_ranks_wait_for_each_other(tmp_path):
 '''
 
 
-# About 20 s by design: it waits for its inner test's limit (limit_s), which must leave the ranks time to start
-# (the inner test starts a fork server that imports torch: 3 s here, up to 2x that on a loaded machine).
+# About 12 s: it waits for its inner test's limit (limit_s), which must leave the ranks time to start from the
+# warm fork server and reach their receive (under a second here, a few on a loaded machine).
 @pytest.mark.timeout(150)
 def test_a_deadlock_between_two_ranks_fails_at_the_limit_with_both_stacks(tmp_path):
-    limit_s = 12
+    limit_s = 6
     (tmp_path / "test_deadlock.py").write_text(textwrap.dedent(DEADLOCK.format(limit=limit_s)))
     env = {k: v for k, v in os.environ.items() if k != "PYTHONFAULTHANDLER"}  # tests/hangs.py must set it
     env["PYTHONPATH"] = os.pathsep.join([str(TESTS), env.get("PYTHONPATH", "")])
