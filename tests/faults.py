@@ -1088,10 +1088,10 @@ FAULTS: tuple[Fault, ...] = (
     # -- src/gputrain/tools/plan/plans.py --------------------------------------------------------------------
     Fault("[30] a plan chosen without the margin", "src/gputrain/tools/plan/plans.py",
           (("fitting = [p for p in plans if p.fits_with_margin]", "fitting = [p for p in plans if p.fits]"),),
-          ("tests/e2e/test_plan.py::test_the_choice_keeps_the_margin_and_prefers_the_fastest",)),
+          ("tests/unit/test_plan_choice.py::test_the_choice_keeps_the_margin_and_prefers_the_fastest",)),
     Fault("[30] --strategy auto trains the recipe's batch per process, not the planned one", "src/gputrain/tools/plan/plans.py",
           (('f"trainer.batch_size={self.batch_size}",', 'f"trainer.batch_size={self.global_batch}",'),),
-          ("tests/e2e/test_plan.py::test_the_choice_keeps_the_margin_and_prefers_the_fastest",)),
+          ("tests/unit/test_plan_choice.py::test_the_choice_keeps_the_margin_and_prefers_the_fastest",)),
     Fault("[30] DDP planned with a second gradient copy beside its buckets", "src/gputrain/tools/plan/plans.py",
           (("memory.step_memory(self.work, b, held_gradients=True))",
             "memory.step_memory(self.work, b, held_gradients=True)).plus(other=buckets)"),),

@@ -1,5 +1,6 @@
 """What the plan tests run: the measured runs of tests/e2e/test_plan_measured.py (:func:`train_runs`), and a small
-model for tests/e2e/test_plan.py (:func:`conv_chain`).
+model and the command line in the test's own process for tests/e2e/test_plan.py (:func:`conv_chain`,
+:func:`gputrain_here`).
 
 The measured runs are several plans trained one after another by the same ranks. Each run is what a rank of
 ``gputrain train RECIPE OVERRIDES`` does (:func:`gputrain.tools.train.train_from_config`: the config loaded, the
@@ -13,10 +14,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import io
+import subprocess
+import warnings
 from typing import Any
 
 from torch import nn
 
+from gputrain.cli import main
 from gputrain.config import load_config
 from gputrain.engine.state import seed_everything
 from gputrain.engine.trainer import Trainer
@@ -45,3 +50,18 @@ def conv_chain(num_classes: int = 10) -> nn.Sequential:
 
     return nn.Sequential(block(3), block(16), block(16),
                          nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, num_classes)))
+
+
+def gputrain_here(*args: str) -> subprocess.CompletedProcess:
+    """``gputrain ARGS`` here, as ``python -m gputrain`` runs it (that process would import torch again, 3-4 s)."""
+    with warnings.catch_warnings(record=True) as caught, contextlib.redirect_stdout(io.StringIO()) as out, \
+            contextlib.redirect_stderr(io.StringIO()) as err:  # not a terminal: log lines, no bar, as from a pipe
+        warnings.resetwarnings()  # Python's defaults, not pytest's: a warning is a line of stderr, as there
+        for quiet in (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning):
+            warnings.simplefilter("ignore", quiet)
+        try:
+            code = main(list(args))
+        except SystemExit as exit_:  # python -m gputrain: sys.exit(main())
+            code = 0 if exit_.code is None else exit_.code
+    warned = "".join(warnings.formatwarning(w.message, w.category, w.filename, w.lineno) for w in caught)
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue() + warned)

@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import io
 import json
 import os
 import subprocess
-import warnings
 from pathlib import Path
 
 import pytest
@@ -16,34 +13,19 @@ import torch
 import yaml
 
 from forked_cli import run_gputrain
-from gputrain.cli import main
 from gputrain.config import load_config
 from gputrain.data.cifar10 import make_cifar10
 from gputrain.data.imagefolder import make_frames
 from gputrain.tools.plan import memory
 from gputrain.tools.plan.plans import choose
 from gputrain.tools.plan.workload import Workload
+from plan_runs import gputrain_here
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
 def gputrain(*args: str) -> subprocess.CompletedProcess:
     return run_gputrain(args, env=ENV)
-
-
-def gputrain_here(*args: str) -> subprocess.CompletedProcess:
-    """``gputrain ARGS`` here, as ``python -m gputrain`` runs it (that process would import torch again, 3-4 s)."""
-    with warnings.catch_warnings(record=True) as caught, contextlib.redirect_stdout(io.StringIO()) as out, \
-            contextlib.redirect_stderr(io.StringIO()) as err:  # not a terminal: log lines, no bar, as from a pipe
-        warnings.resetwarnings()  # Python's defaults, not pytest's: a warning is a line of stderr, as there
-        for quiet in (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning):
-            warnings.simplefilter("ignore", quiet)
-        try:
-            code = main(list(args))
-        except SystemExit as exit_:  # python -m gputrain: sys.exit(main())
-            code = 0 if exit_.code is None else exit_.code
-    warned = "".join(warnings.formatwarning(w.message, w.category, w.filename, w.lineno) for w in caught)
-    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue() + warned)
 
 
 @pytest.fixture(scope="module")
@@ -267,24 +249,6 @@ def test_a_json_path_that_cannot_be_written_is_one_line_before_planning(frames, 
 def test_a_budget_that_cannot_be_read_is_one_line(frames, budget):
     done = gputrain("plan", "autoencoder", "--data-root", str(frames), "--memory-budget", budget)
     assert done.returncode == 2 and "--memory-budget" in done.stderr and "Traceback" not in done.stderr
-
-
-def test_the_choice_keeps_the_margin_and_prefers_the_fastest():
-    from gputrain.tools.plan.memory import StepMemory
-    from gputrain.tools.plan.plans import Plan
-
-    def plan(name: str, peak: int, step: float) -> Plan:
-        return Plan(name, 2, 8, 4, (StepMemory(peak, 0, 0, 0, 0),), step, budget=1000)
-
-    fast_but_tight, slow = plan("ddp", 950, 1.0), plan("fsdp", 800, 2.0)
-    assert fast_but_tight.fits and not fast_but_tight.fits_with_margin
-    assert choose([fast_but_tight, slow]) is slow
-    assert choose([plan("ddp", 850, 1.0), slow]).strategy == "ddp"
-    assert choose([plan("ddp", 901, 1.0)]) is None
-    # What --strategy auto hands the ranks: ddp's batch per process is the global batch's share (8 over 2).
-    assert "trainer.batch_size=4" in plan("ddp", 1, 1.0).overrides()
-    assert "trainer.batch_size=8" in Plan("pipeline", 2, 8, 8, (StepMemory(1, 0, 0, 0, 0),), 1.0, budget=10,
-                                          micro_batches=2, schedule="1f1b", split_points=("layer3",)).overrides()
 
 
 def test_the_overrides_a_plan_applies_describe_the_job_it_planned_on_two_nodes(frames):

@@ -21,19 +21,13 @@ from gputrain.cli.parser import COMMON_FLAGS
 from gputrain.cli.run_flags import CONFIG_FIELD, field_overrides
 from gputrain.config import RunConfig, load_config
 from gputrain.errors import EXIT_OK
+from gputrain.launcher.spec import is_worker  # whether this process is a rank (imports no torch)
 
 # Flags that are shorthands for config fields; everything else is a dotted key=value override. --data-root and
 # --accelerator (cli_parser.COMMON_FLAGS) reach train, eval and predict as overrides from the parser already.
 TRAIN_FLAGS = {name: key for name, key in CONFIG_FIELD.items() if name not in COMMON_FLAGS}
 TRAINING_ONLY = ("epochs", "seed", "resume", "max_restarts")
 """Train flags that eval accepts for scripts that share a command line, ignores, and leaves out of --help."""
-
-
-def is_worker() -> bool:
-    """Whether torchrun, SLURM or gputrain's own launcher started this process as a rank."""
-    from gputrain.launcher.spec import is_worker as launched
-
-    return launched()
 
 
 def _overrides(args: argparse.Namespace, skip: Sequence[str] = ()) -> list[str]:

@@ -15,8 +15,8 @@ pipeline        2          G (one stage a rank)   stage split, micro-batches, lo
 fsdp            2          G/2                    sharded parameters and their gather
 model_parallel  1          G                      stages on several devices
 ==============  =========  =====================  ====================================
-Unavailable strategies' modes are skipped and listed; :mod:`gputrain.tools.parity_compare` compares each mode with
-``single`` and names the cause of a difference.
+Unavailable strategies' modes are skipped and listed; :mod:`~gputrain.tools.diagnose.parity_compare` compares
+each mode with ``single`` and names the cause of a difference.
 """
 
 from __future__ import annotations
@@ -214,12 +214,6 @@ def _resolve_modes(names: Sequence[str]) -> tuple[list[Mode], dict[str, str]]:
     return list(dict.fromkeys(run)), skipped
 
 
-def _accelerator(cfg: RunConfig) -> str:
-    if cfg.trainer.accelerator != "cpu" and torch.cuda.is_available() and torch.cuda.device_count() >= 2:
-        return "cuda"
-    return "cpu"
-
-
 def check_parity(build: Callable[[], Any], cfg: RunConfig | None = None, *, modes: Sequence[str] = tuple(MODES),
                  global_batch: int | None = None, steps: int = 2, epochs: int = 2, tol: float = 1e-5,
                  timeout_s: float = 60.0, dtype: str = "float64", mode_hooks: dict[str, list[Hook]] | None = None,
@@ -245,7 +239,7 @@ def check_parity(build: Callable[[], Any], cfg: RunConfig | None = None, *, mode
         raise ValueError(f"--steps {steps} and --epochs {epochs} must be at least 1")
     cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, num_workers=0))  # reads seen in-process
     run, skipped = _resolve_modes(modes)
-    accelerator = _accelerator(cfg)
+    accelerator = "cuda" if cfg.trainer.accelerator != "cpu" and torch.cuda.device_count() >= 2 else "cpu"
     results: dict[str, ModeResult] = {}
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="gputrain-parity-") as tmp:
