@@ -1129,6 +1129,9 @@ FAULTS: tuple[Fault, ...] = (
             "    return first.where"),),
           ("tests/e2e/test_documented_commands.py::test_the_pages_show_commands_and_the_skips_are_few",)),
     # -- issue 39: one command line, progress, time limits ---------------------------------------------------------
+    Fault("[39] a file grows past 300 lines unnoticed", "src/gputrain/config/data.py",
+          (("from dataclasses import dataclass, field\n", "from dataclasses import dataclass, field\n" + "\n" * 240),),
+          ("tests/unit/test_file_lengths.py",)),
     Fault("[39] a run flag refused without its reason", "src/gputrain/cli/run_flags.py",
           (("raise ValueError(f\"--{dest.replace('_', '-')} does not apply to gputrain {command}: {why}\")",
             "raise ValueError(f\"--{dest.replace('_', '-')} is not a flag of gputrain {command}\")"),),
