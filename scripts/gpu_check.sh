@@ -29,7 +29,8 @@
 # prints the table of several commands' folders.
 #
 # Settings (environment; defaults in brackets): GPU_ACC [cuda], PYTHON [python3], BUDGET_S (no check starts after
-# this many seconds; 0: no limit) [0], EPOCHS [3], WORKERS
+# this many seconds; 0: no limit) [0], SPENT_S (seconds of the budget an earlier command of the lease spent) [0],
+# EPOCHS [3], WORKERS
 # (data.num_workers) [auto], GPU_ARGS (overrides added to every run, e.g. trainer.log_every_n_steps=1 to see where a
 # NaN begins) [none],
 # counts of generated images FRAMES_COUNT [2000], CIFAR_COUNT [12000], PER_CLASS (JPEGs per class, 10 classes)
@@ -42,6 +43,7 @@
 # option, benchmarks/fast_path.py), bench (trainer overhead and scaling of the autoencoder).
 set -uo pipefail
 cd "$(dirname "$0")/.."
+SECONDS=${SPENT_S:-0}  # bash counts on from here: the budget's clock
 OUT=${OUT:-runs/gpu}
 PY=${PYTHON:-python3}
 # The cheapest recipes first, so that a lease cut short still has most of the rows; then any recipe added since,
@@ -57,7 +59,9 @@ for part in $PARTS; do  # every name is checked before anything runs
   exit 2
 done
 mkdir -p "$OUT/logs"
-if $PY -c "import omegaconf, pycocotools, torchcodec.decoders" 2>/dev/null; then  # this Python has them all
+# Found, not imported: importing torchcodec imports torch, seconds per command on a busy machine (stack decodes a JPEG)
+if $PY -c "import importlib.util as u, sys; sys.exit(not all(map(u.find_spec, ('omegaconf', 'pycocotools', 'torchcodec'))))" \
+    2>/dev/null; then  # this Python has them all
   export PYTHONPATH=$PWD/src
 elif [ -d /tmp/site/omegaconf ]; then  # installed by an earlier command on the same machine
   export PYTHONPATH=/tmp/site:$PWD/src
@@ -74,7 +78,7 @@ RESNET_SIZE=${RESNET_SIZE:-224}; PER_CLASS=${PER_CLASS:-1000}
 JPEGS=$D/jpegs-$PER_CLASS/imagenet-like  # the data's sizes are in its folder's name: other sizes, other folder
 mkdir -p "$D" "$R"
 [ "$ACC" != cuda ] || nvidia-smi -L
-$PY -c "import torch, torchvision; print('torch', torch.__version__, 'torchvision', torchvision.__version__)"
+$PY -c "from importlib.metadata import version as v; print('torch', v('torch'), 'torchvision', v('torchvision'))"  # stack: the build
 
 UNRECORDED=0  # a check whose verdict could not be written has no row: the table alone would pass without it
 check() { $PY scripts/gpu_checklist.py "$@" --out "$OUT" || { UNRECORDED=1; echo "gpu_check.sh: not recorded: $*" >&2; }; }

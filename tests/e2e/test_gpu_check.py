@@ -104,12 +104,12 @@ def test_a_diverging_recipe_fails_the_checklist_and_the_table_names_it(tmp_path)
 
 def test_no_check_starts_after_the_budget_and_each_gets_a_row(tmp_path):
     """BUDGET_S: a lease's one command stops starting checks in time to print its table; nothing is made or run
-    for the checks it does not start (no data sets either)."""
-    done, _ = _gpu_check(tmp_path, "stack", "ade20k-deeplabv3plus", "images", BUDGET_S="1")
+    for the checks it does not start (no data sets either). SPENT_S: the budget was spent by an earlier command."""
+    done, _ = _gpu_check(tmp_path, "stack", "ade20k-deeplabv3plus", "images", BUDGET_S="60", SPENT_S="60")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     rows = _table(done.stdout)
     assert list(rows) == ["stack", "ade20k-deeplabv3plus", "ade20k-deeplabv3plus 16-mixed",
                           "ResNet-50 images/s, JPEGs decoded in the workers",
                           "ResNet-50 images/s, JPEGs decoded on the GPU"]
-    assert all(row.endswith("| skipped: not started: the budget of BUDGET_S=1 s was spent |") for row in rows.values())
+    assert all(row.endswith("| skipped: not started: the budget of BUDGET_S=60 s was spent |") for row in rows.values())
     assert not list((tmp_path / "data").iterdir())

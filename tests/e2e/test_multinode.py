@@ -148,9 +148,9 @@ def test_resume_auto_fails_in_one_line_when_another_node_cannot_read_the_checkpo
             "--nnodes", "2", "--node-rank", str(k), "--rdzv-endpoint", endpoint, "--devices", "1", *extra],
             _clean_env()) for k in range(2)], cwds=homes)
 
-    for started in commands(["--epochs", "1"]):
-        assert started.wait(timeout=TIMEOUT_S).returncode == 0
-    endpoint = f"127.0.0.1:{free_port()}"
+    # Node 0's checkpoint, made by one process (any world size resumes it): a 2-node launch costs 4 processes.
+    [first] = _start_all([(_train_args(frames, Path("run")) + ["--epochs", "1"], _clean_env())], cwds=homes[:1])
+    assert first.wait(timeout=TIMEOUT_S).returncode == 0
     results = [started.wait(timeout=TIMEOUT_S) for started in commands(["--epochs", "2", "--resume", "auto"])]
     assert all(done.returncode != 0 for done in results)
     errors = "".join(done.stderr for done in results)
