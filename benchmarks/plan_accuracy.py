@@ -4,7 +4,8 @@ For each recipe, at two input sizes and two batch sizes, on generated data, on t
 
 - memory: the plan's prediction of one single-device training step (two steps on fake tensors, counted by
   ``MemTracker``) against ``MemTracker``'s count of a real step of the same model, batch and optimizer (the issue's
-  CPU reference; on a GPU, against ``torch.cuda.max_memory_allocated``: not run yet);
+  CPU reference; on a GPU, the plan's whole prediction against ``torch.cuda.max_memory_allocated`` of a run is
+  ``bash scripts/gpu_check.sh plan``'s);
 - time: the plan's prediction (real steps at a small batch and at twice it, taken as affine in the batch) against
   the median of ``--reps`` real steps at the batch. Both sides are timed in the same run, one after the other.
 

@@ -13,6 +13,10 @@
 #            training scale (shorter side 800); images/s and peak memory of each
 #   images   ResNet-50 images/s on real JPEGs and on synthetic data (gputrain bench throughput), decoding in the
 #            loader workers, then on the GPU (data.decode_on_device=true)
+#   plan     not in the whole list (a lease of its own): for every built-in recipe, at the recipes' settings,
+#            `gputrain plan --devices 1`, then each plan that fits trained for $PLAN_STEPS steps [22] against its own
+#            predictions (trainer.measure_memory=true): peak memory within 10 % of what the run measures
+#            (torch.cuda.max_memory_allocated), step time within 20 %; plan:NAME plans one recipe
 #
 # Each check writes its figures and verdict as JSON to $OUT/checks/ (scripts/gpu_checklist.py) and its output to
 # $OUT/logs/. At the end the script prints one markdown table of every check in $OUT (also $OUT/checklist.md) and
@@ -54,8 +58,9 @@ for f in src/gputrain/recipes/*.yaml; do
 done
 PARTS=${*:-stack tests recipes images}
 for part in $PARTS; do  # every name is checked before anything runs
-  [[ " stack tests recipes images fast bench $RECIPES " == *" $part "* ]] && continue
-  echo "gpu_check.sh: no part $part; parts: stack tests recipes images fast bench, or a recipe: $RECIPES" >&2
+  [[ " stack tests recipes images plan fast bench $RECIPES " == *" ${part#plan:} "* ]] && continue
+  echo "gpu_check.sh: no part $part; parts: stack tests recipes images plan fast bench, or a recipe (plan:RECIPE" \
+    "plans one): $RECIPES" >&2
   exit 2
 done
 mkdir -p "$OUT/logs"
@@ -100,19 +105,46 @@ over_budget() {  # NAME SETTING: true (and a "not started" row) once BUDGET_S se
   check mark "$1" skipped --why "not started: the budget of BUDGET_S=$BUDGET_S s was spent" --setting "$2"
 }
 
+PRE=""  # "plan: " while the plan part runs: its rows, data and settings those of the recipes, named apart
 recipe() {  # NAME SETTING OVERRIDES...: one recipe for $EPOCHS epochs as users run it, then its verdict
   local name=$1 setting=$2; shift 2
-  local label=${LABEL:-$name}; local slug=${label// /_}  # LABEL: a second run of one recipe (another precision)
+  local label=$PRE${LABEL:-$name}; local slug=${label//[ :]/_}  # LABEL: a second run of one recipe (another precision)
   over_budget "$label" "$setting" && return
+  if [ -n "$PRE" ]; then plans "$name" "$label" "$slug" "$setting" "$@"; return; fi
   # shellcheck disable=SC2086  # GPU_ARGS is a list of overrides
   $PY -m gputrain train "$name" --accelerator "$ACC" --epochs "$EPOCHS" --out "$R/$slug" --overwrite \
     trainer.progress_bar=false data.num_workers="$WORKERS" "$@" $GPU_ARGS 2>&1 | tee "$OUT/logs/$slug.log"
   check recipe "$label" "$R/$slug" --exit-code "${PIPESTATUS[0]}" --log "$OUT/logs/$slug.log" --setting "$setting"
 }
 
+plans() {  # NAME LABEL SLUG SETTING OVERRIDES...: the recipe's plans for one device, each trained a few steps with
+  local name=$1 label=$2 slug=$3 setting=$4; shift 4  # its own predictions, set against what the run measures
+  mkdir -p "$R/$slug"
+  # shellcheck disable=SC2086
+  $PY -m gputrain plan "$name" --accelerator "$ACC" --devices 1 --json "$R/$slug/plan.json" "$@" $GPU_ARGS 2>&1 \
+    | tee "$OUT/logs/$slug.log"
+  local code=${PIPESTATUS[0]} one values words
+  if [ "$code" != 0 ]; then
+    check mark "$label" fail --why "gputrain plan: exit $code: $(grep -i error "$OUT/logs/$slug.log" | tail -n 1)" \
+      --setting "$setting"
+    return
+  fi
+  while IFS=$'\t' read -r one values; do
+    read -ra words <<< "$values"  # word by word, no globbing: parallel.split_points=[layer3]
+    over_budget "$label $one" "$setting" && continue
+    # shellcheck disable=SC2086
+    $PY -m gputrain train "$name" --accelerator "$ACC" --epochs 1 --out "$R/${slug}_$one" --overwrite \
+      trainer.progress_bar=false data.num_workers="$WORKERS" "$@" $GPU_ARGS "${words[@]}" trainer.measure_memory=true \
+      trainer.max_steps_per_epoch="${PLAN_STEPS:-22}" trainer.eval_every_n_epochs=2 trainer.enable_checkpointing=false \
+      < /dev/null 2>&1 | tee "$OUT/logs/${slug}_$one.log"
+    check plan "$label $one" "$R/${slug}_$one" --exit-code "${PIPESTATUS[0]}" --log "$OUT/logs/${slug}_$one.log" \
+      --setting "$setting; $values"
+  done < <($PY scripts/gpu_checklist.py plans "$R/$slug/plan.json")
+}
+
 run_recipe() {  # the data and settings of each built-in recipe
-  if over_budget "$1" ""; then  # before its data is made, which takes time too
-    [ "$1" != ade20k-deeplabv3plus ] || over_budget "ade20k-deeplabv3plus 16-mixed" ""
+  if over_budget "$PRE$1" ""; then  # before its data is made, which takes time too
+    [ "$1" != ade20k-deeplabv3plus ] || over_budget "${PRE}ade20k-deeplabv3plus 16-mixed" ""
     return
   fi
   case $1 in
@@ -142,7 +174,7 @@ run_recipe() {  # the data and settings of each built-in recipe
       recipe ade20k-deeplabv3plus "$ade" --data-root "$D/ade20k-$ADE_SIZE-$ADE_COUNT" data.image_size="$ADE_SIZE" \
         data.num_classes=8 trainer.log_every_n_steps=1
       if [ "$ACC" != cuda ]; then  # float16 autocast has no fast CPU kernels (docs/precision.md): nothing to learn
-        check mark "ade20k-deeplabv3plus 16-mixed" skipped --why "no GPU (float16 is 20-35x slower on a CPU)" \
+        check mark "${PRE}ade20k-deeplabv3plus 16-mixed" skipped --why "no GPU (float16 is 20-35x slower on a CPU)" \
           --setting "$ade"
       else
         LABEL="ade20k-deeplabv3plus 16-mixed" recipe ade20k-deeplabv3plus "$ade" --data-root \
@@ -158,7 +190,7 @@ run_recipe() {  # the data and settings of each built-in recipe
       recipe resnet50-model-parallel "$MP_COUNT images of ${MP_SIZE}x$MP_SIZE" --data-root "$D/classes-$MP_SIZE-$MP_COUNT" \
         data.image_size="$MP_SIZE" ;;
     *)  # a new recipe must not pass unseen
-      check mark "$1" fail --why "the checklist has no data or settings for this recipe: add them to scripts/gpu_check.sh" ;;
+      check mark "$PRE$1" fail --why "the checklist has no data or settings for this recipe: add them to scripts/gpu_check.sh" ;;
   esac
 }
 
@@ -230,6 +262,8 @@ for part in $PARTS; do
     stack) stack ;;
     tests) cuda_tests ;;
     recipes) for name in $RECIPES; do run_recipe "$name"; done ;;
+    plan) PRE="plan: "; for name in $RECIPES; do run_recipe "$name"; done; PRE="" ;;
+    plan:*) PRE="plan: "; run_recipe "${part#plan:}"; PRE="" ;;
     images) images ;;
     fast)  # issue 16's figures: ResNet-50 at 224 with each speed option, synthetic data
       make_jpegs

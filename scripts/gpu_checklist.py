@@ -6,13 +6,15 @@ of several commands (a 30-minute lease is run as several commands of at most 10 
 
     python scripts/gpu_checklist.py recipe NAME RUN_FOLDER --exit-code N --log LOG --setting TEXT --out OUT
     python scripts/gpu_checklist.py images NAME BENCH_FOLDER --exit-code N --log LOG --setting TEXT --out OUT
+    python scripts/gpu_checklist.py plan NAME RUN_FOLDER --exit-code N --log LOG --setting TEXT --out OUT
+    python scripts/gpu_checklist.py plans PLAN_JSON      # each one-device plan: LABEL<tab>the values that train it
     python scripts/gpu_checklist.py tests JUNIT_XML --exit-code N --log LOG --out OUT
     python scripts/gpu_checklist.py mark NAME {pass,skipped,fail} --why TEXT --setting TEXT --out OUT
     python scripts/gpu_checklist.py table OUT [OUT ...]   # the markdown table; exit 1 when a check failed
 
 A check fails when its command exited non-zero (exit 3 is a diverged run: NaN/inf), when any loss its run
 logged is not finite (written as ``null`` in metrics.jsonl), or, for the CUDA tests, when a test failed or
-none ran. A 16-mixed run's row also says how many steps the loss scaler skipped and the scale it ended with. Only the standard library is used: this runs wherever the runs' files are, with or without torch.
+none ran; a plan's check, when its predicted peak memory or (on a GPU) step time is off (:func:`check_plan`). A 16-mixed run's row also says how many steps the loss scaler skipped and the scale it ended with. Only the standard library is used: this runs wherever the runs' files are, with or without torch.
 """
 
 from __future__ import annotations
@@ -111,6 +113,64 @@ def check_recipe(name: str, run: Path, exit_code: int, log: Path | None, setting
     return result
 
 
+MEMORY_OFF = 0.10  # issue 42: a plan's peak memory within this share of the run's measure,
+STEP_OFF = 0.20  # and on a GPU its step time within this share of the run's compute time
+
+
+def check_plan(name: str, run: Path, exit_code: int, log: Path | None, setting: str) -> dict[str, Any]:
+    """One plan of ``gputrain plan --json`` trained with its own predictions: its peak memory within
+    :data:`MEMORY_OFF` of ``memory.json``'s, its step time within :data:`STEP_OFF` of the ``pace`` record's compute
+    time. A CPU's step time is shown, not judged: a shared machine's cores are not the plan's to count on."""
+    result = check_run(name, [run], exit_code, log, setting)
+    if result["verdict"] != "pass":
+        return result
+    memory, summary = run / "memory.json", run / "summary.json"
+    ranks = json.loads(memory.read_text())["ranks"] if memory.is_file() else []
+    if not ranks or not summary.is_file() or "predicted_bytes" not in ranks[0]:
+        return result | {"verdict": "fail", "why": "no memory.json with the plan's prediction: the run was not handed "
+                                                   "it (trainer.predicted_peak_bytes, trainer.measure_memory=true)"}
+    worst = max(ranks, key=lambda r: abs(r["prediction_off"]))
+    facts = json.loads(summary.read_text())
+    pace = facts.get("pace") or {}
+    step_off = pace.get("step_prediction_off")
+    result |= {"peak_memory_bytes": worst["peak_bytes"], "predicted_bytes": worst["predicted_bytes"],
+               "memory_off": worst["prediction_off"], "memory_how": worst["how"],
+               "predicted_step_s": pace.get("predicted_step_s"), "compute_s": pace.get("compute_s"),
+               "step_off": step_off, "setting": f"{setting}; device={facts['device']}"}
+    said = [f"memory predicted {_size(worst['predicted_bytes'])}, measured {_size(worst['peak_bytes'])} by "
+            f"{worst['how']} ({worst['prediction_off']:+.1%})"]
+    problems = []
+    if abs(worst["prediction_off"]) > MEMORY_OFF:
+        problems.append(f"memory off by more than {MEMORY_OFF:.0%}")
+    if step_off is None:  # a failure on a GPU, where the time is judged
+        said.append("step time not compared (the pace record has no prediction: too few steps?)")
+        problems += ["no step time compared"] if facts["device"].startswith("cuda") else []
+    else:
+        said.append(f"step predicted {pace['predicted_step_s'] * 1e3:.1f} ms, computed {pace['compute_s'] * 1e3:.1f} ms "
+                    f"({step_off:+.0%})")
+        if not facts["device"].startswith("cuda"):
+            said.append("time not judged on a CPU")
+        elif abs(step_off) > STEP_OFF:
+            problems.append(f"step time off by more than {STEP_OFF:.0%}")
+    return result | {"verdict": "fail" if problems else "pass", "why": "; ".join(problems + said)}
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
+
+
+def one_device_plans(plan_json: Path) -> list[str]:
+    """``LABEL<tab>VALUES`` for each plan of ``gputrain plan --json`` that one device trains and that fits: the
+    config values that train it and hand it its predictions."""
+    lines = []
+    for plan in json.loads(plan_json.read_text())["plans"]:
+        if plan["devices"] == 1 and plan["fits"]:
+            label = plan["strategy"] + (f"-{plan['schedule']}" if plan["strategy"] == "pipeline" else "")
+            label += "+ac" if plan["activation_checkpointing"] else ""
+            lines.append(f"{label}\t{' '.join(plan['overrides'] + plan['predictions'])}")
+    return lines
+
+
 def check_images(name: str, bench: Path, exit_code: int, log: Path | None, setting: str) -> dict[str, Any]:
     """``gputrain bench throughput``'s folder: throughput.json, and the runs real/ and synthetic/."""
     result = check_run(name, [bench / "real", bench / "synthetic"], exit_code, log, setting)
@@ -193,7 +253,7 @@ def table(checks: list[dict[str, Any]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    for kind in ("recipe", "images"):
+    for kind in ("recipe", "images", "plan"):
         p = sub.add_parser(kind)
         p.add_argument("name")
         p.add_argument("folder", type=Path)
@@ -210,14 +270,21 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--log", type=Path)
     p = sub.add_parser("table")
     p.add_argument("folders", type=Path, nargs="+")
+    p = sub.add_parser("plans")
+    p.add_argument("plan_json", type=Path)
     args = parser.parse_args(argv)
 
+    if args.command == "plans":
+        print("\n".join(one_device_plans(args.plan_json)))
+        return 0
     if args.command == "table":
         checks = load(args.folders)
         print(table(checks))
         return 0 if checks and all(c.get("verdict") in ("pass", "skipped") for c in checks) else 1
     if args.command == "recipe":
         result = check_recipe(args.name, args.folder, args.exit_code, args.log, args.setting)
+    elif args.command == "plan":
+        result = check_plan(args.name, args.folder, args.exit_code, args.log, args.setting)
     elif args.command == "images":
         result = check_images(args.name, args.folder, args.exit_code, args.log, args.setting)
     elif args.command == "tests":

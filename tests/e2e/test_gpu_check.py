@@ -113,3 +113,25 @@ def test_no_check_starts_after_the_budget_and_each_gets_a_row(tmp_path):
                           "ResNet-50 images/s, JPEGs decoded on the GPU"]
     assert all(row.endswith("| skipped: not started: the budget of BUDGET_S=60 s was spent |") for row in rows.values())
     assert not list((tmp_path / "data").iterdir())
+
+
+def test_the_plan_part_trains_each_one_device_plan_against_its_own_predictions(tmp_path):
+    """``plan:autoencoder``: the recipe's plans for one device, each trained with its predictions and
+    ``trainer.measure_memory=true``; each row sets the measure against the prediction (a CPU's step time shown,
+    not judged)."""
+    from gputrain.tools.make_data import make_dataset
+
+    # Batches of 4 from 64 frames: steps enough for the two measured by memory.json and the pace's after the first.
+    make_dataset("imagefolder", tmp_path / "data" / "frames-64", size=80, count=64)
+    done, out = _gpu_check(tmp_path, "plan:autoencoder", FRAMES_COUNT="64",
+                           GPU_ARGS="trainer.pictures=0 trainer.batch_size=4")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = _table(done.stdout)
+    assert list(rows) == ["plan: autoencoder single", "plan: autoencoder single+ac"]
+    for row in rows.values():
+        assert "| pass: memory predicted " in row and " by MemTracker (" in row and "time not judged on a CPU" in row
+    checks = {c["name"]: c for c in map(json.loads, map(Path.read_text, (out / "checks").glob("*.json")))}
+    for check in checks.values():
+        assert abs(check["memory_off"]) <= 0.10 and check["predicted_step_s"] > 0 and check["compute_s"] > 0
+        assert "trainer.predicted_peak_bytes=[" in check["setting"]
+    assert "trainer.activation_checkpointing=true" in checks["plan: autoencoder single+ac"]["setting"]

@@ -123,3 +123,47 @@ def test_a_16_mixed_run_says_how_many_steps_the_loss_scaler_skipped(tmp_path):
     _checklist("recipe", "ade20k-deeplabv3plus 16-mixed", run, "--out", out)
     row = _row(_checklist("table", out).stdout, "ade20k-deeplabv3plus 16-mixed")
     assert "; 2 step(s) skipped, scale 16384 |" in row and row.endswith("| pass |")
+
+
+def _planned_run(folder: Path, device: str, *, predicted: int, peak: int, step_s: float | None,
+                 compute_s: float) -> Path:
+    """The files a plan's run writes (metrics.jsonl, summary.json with its pace, memory.json), with planted figures."""
+    folder.mkdir(parents=True)
+    (folder / "metrics.jsonl").write_text(json.dumps({"epoch": 1, "train/loss": 0.5}) + "\n")
+    pace = {"steps": 20, "step_s": compute_s, "compute_s": compute_s}
+    if step_s is not None:
+        pace |= {"predicted_step_s": step_s, "step_prediction_off": round(step_s / compute_s - 1, 4)}
+    (folder / "summary.json").write_text(json.dumps({"device": device, "pace": pace}))
+    rank = {"rank": 0, "peak_bytes": peak, "how": "torch.cuda.max_memory_allocated", "predicted_bytes": predicted,
+            "prediction_off": round(predicted / peak - 1, 4)}
+    (folder / "memory.json").write_text(json.dumps({"ranks": [rank]}))
+    return folder
+
+
+def test_a_plans_check_holds_memory_to_10_percent_and_a_gpus_step_time_to_20(tmp_path):
+    """The plan part's verdicts on a GPU's figures: memory 8 % and step 15 % off pass, memory 12 % or step 25 % off
+    fail and say which; a CPU's step time is shown, not judged; a run not handed the predictions fails."""
+    gib = 2**30
+    cases = {"close": ("cuda:0", 108 * gib // 100, 100 * gib // 100, 0.115, 0.1),
+             "memory off": ("cuda:0", 112 * gib // 100, gib, 0.1, 0.1),
+             "step off": ("cuda:0", gib, gib, 0.125, 0.1),
+             "cpu step off": ("cpu", gib, gib, 0.2, 0.1)}
+    out = tmp_path / "out"
+    for name, (device, predicted, peak, step_s, compute_s) in cases.items():
+        run = _planned_run(tmp_path / name, device, predicted=predicted, peak=peak, step_s=step_s, compute_s=compute_s)
+        assert _checklist("plan", name, run, "--out", out).returncode == 0
+    run = tmp_path / "not handed"
+    _planned_run(run, "cuda:0", predicted=gib, peak=gib, step_s=None, compute_s=0.1)
+    facts = json.loads((run / "memory.json").read_text())
+    del facts["ranks"][0]["predicted_bytes"]
+    (run / "memory.json").write_text(json.dumps(facts))
+    _checklist("plan", "not handed", run, "--out", out)
+    table = _checklist("table", out).stdout
+    assert _row(table, "close").endswith("| pass: memory predicted 1.08 GiB, measured 1.00 GiB by "
+                                         "torch.cuda.max_memory_allocated (+8.0%); step predicted 115.0 ms, computed "
+                                         "100.0 ms (+15%) |")
+    assert "| **FAIL**: memory off by more than 10%; memory predicted 1.12 GiB" in _row(table, "memory off")
+    assert "| **FAIL**: step time off by more than 20%; " in _row(table, "step off")
+    assert _row(table, "cpu step off").endswith("computed 100.0 ms (+100%); time not judged on a CPU |")
+    assert "| **FAIL**: no memory.json with the plan's prediction" in _row(table, "not handed")
+    assert "5 check(s): 2 passed, 3 failed, 0 skipped" in table

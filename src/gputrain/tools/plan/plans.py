@@ -95,7 +95,8 @@ class Plan:
                 "per_device_memory_bytes": [m.peak for m in self.per_device], "memory_parts": worst.as_dict(),
                 "step_s": self.step_s, "images_per_s": self.images_per_s, "fits": self.fits_with_margin,
                 "within_budget": self.fits,
-                "max_global_batch": self.max_global_batch, "overrides": self.overrides()}
+                "max_global_batch": self.max_global_batch, "overrides": self.overrides(),
+                "predictions": self.predictions()}
 
 
 def _per_process(processes: int, largest: int) -> int:
