@@ -138,7 +138,7 @@ plans() {  # NAME LABEL SLUG SETTING OVERRIDES...: the recipe's plans for one de
       trainer.max_steps_per_epoch="${PLAN_STEPS:-22}" trainer.eval_every_n_epochs=2 trainer.enable_checkpointing=false \
       < /dev/null 2>&1 | tee "$OUT/logs/${slug}_$one.log"
     check plan "$label $one" "$R/${slug}_$one" --exit-code "${PIPESTATUS[0]}" --log "$OUT/logs/${slug}_$one.log" \
-      --setting "$setting; $values"
+      --setting "$setting; $values" --plan-json "$R/$slug/plan.json"
   done < <($PY scripts/gpu_checklist.py plans "$R/$slug/plan.json")
 }
 

@@ -14,7 +14,7 @@ of several commands (a 30-minute lease is run as several commands of at most 10 
 
 A check fails when its command exited non-zero (exit 3 is a diverged run: NaN/inf), when any loss its run
 logged is not finite (written as ``null`` in metrics.jsonl), or, for the CUDA tests, when a test failed or
-none ran; a plan's check, when its predicted peak memory or (on a GPU) step time is off (:func:`check_plan`). A 16-mixed run's row also says how many steps the loss scaler skipped and the scale it ended with. Only the standard library is used: this runs wherever the runs' files are, with or without torch.
+none ran; a plan's check, when its predicted peak memory or (on a GPU) step time is off (gpu_checklist_plan.py). A 16-mixed run's row also says how many steps the loss scaler skipped and the scale it ended with. Only the standard library is used: this runs wherever the runs' files are, with or without torch.
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any
+
+from gpu_checklist_plan import check_plan, one_device_plans
 
 DIVERGED = 3
 """gputrain's exit code for a run that produced NaN/inf (gputrain.errors.EXIT_DIVERGED)."""
@@ -111,64 +113,6 @@ def check_recipe(name: str, run: Path, exit_code: int, log: Path | None, setting
         result["loss"] = (result["loss"] + f"; {skipped[0]} step(s) skipped, scale {skipped[1]:g}").lstrip("; ")
     result["images_per_s"] = steady_images_per_s(read_metrics(run))
     return result
-
-
-MEMORY_OFF = 0.10  # issue 42: a plan's peak memory within this share of the run's measure,
-STEP_OFF = 0.20  # and on a GPU its step time within this share of the run's compute time
-
-
-def check_plan(name: str, run: Path, exit_code: int, log: Path | None, setting: str) -> dict[str, Any]:
-    """One plan of ``gputrain plan --json`` trained with its own predictions: its peak memory within
-    :data:`MEMORY_OFF` of ``memory.json``'s, its step time within :data:`STEP_OFF` of the ``pace`` record's compute
-    time. A CPU's step time is shown, not judged: a shared machine's cores are not the plan's to count on."""
-    result = check_run(name, [run], exit_code, log, setting)
-    if result["verdict"] != "pass":
-        return result
-    memory, summary = run / "memory.json", run / "summary.json"
-    ranks = json.loads(memory.read_text())["ranks"] if memory.is_file() else []
-    if not ranks or not summary.is_file() or "predicted_bytes" not in ranks[0]:
-        return result | {"verdict": "fail", "why": "no memory.json with the plan's prediction: the run was not handed "
-                                                   "it (trainer.predicted_peak_bytes, trainer.measure_memory=true)"}
-    worst = max(ranks, key=lambda r: abs(r["prediction_off"]))
-    facts = json.loads(summary.read_text())
-    pace = facts.get("pace") or {}
-    step_off = pace.get("step_prediction_off")
-    result |= {"peak_memory_bytes": worst["peak_bytes"], "predicted_bytes": worst["predicted_bytes"],
-               "memory_off": worst["prediction_off"], "memory_how": worst["how"],
-               "predicted_step_s": pace.get("predicted_step_s"), "compute_s": pace.get("compute_s"),
-               "step_off": step_off, "setting": f"{setting}; device={facts['device']}"}
-    said = [f"memory predicted {_size(worst['predicted_bytes'])}, measured {_size(worst['peak_bytes'])} by "
-            f"{worst['how']} ({worst['prediction_off']:+.1%})"]
-    problems = []
-    if abs(worst["prediction_off"]) > MEMORY_OFF:
-        problems.append(f"memory off by more than {MEMORY_OFF:.0%}")
-    if step_off is None:  # a failure on a GPU, where the time is judged
-        said.append("step time not compared (the pace record has no prediction: too few steps?)")
-        problems += ["no step time compared"] if facts["device"].startswith("cuda") else []
-    else:
-        said.append(f"step predicted {pace['predicted_step_s'] * 1e3:.1f} ms, computed {pace['compute_s'] * 1e3:.1f} ms "
-                    f"({step_off:+.0%})")
-        if not facts["device"].startswith("cuda"):
-            said.append("time not judged on a CPU")
-        elif abs(step_off) > STEP_OFF:
-            problems.append(f"step time off by more than {STEP_OFF:.0%}")
-    return result | {"verdict": "fail" if problems else "pass", "why": "; ".join(problems + said)}
-
-
-def _size(nbytes: int) -> str:
-    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
-
-
-def one_device_plans(plan_json: Path) -> list[str]:
-    """``LABEL<tab>VALUES`` for each plan of ``gputrain plan --json`` that one device trains and that fits: the
-    config values that train it and hand it its predictions."""
-    lines = []
-    for plan in json.loads(plan_json.read_text())["plans"]:
-        if plan["devices"] == 1 and plan["fits"]:
-            label = plan["strategy"] + (f"-{plan['schedule']}" if plan["strategy"] == "pipeline" else "")
-            label += "+ac" if plan["activation_checkpointing"] else ""
-            lines.append(f"{label}\t{' '.join(plan['overrides'] + plan['predictions'])}")
-    return lines
 
 
 def check_images(name: str, bench: Path, exit_code: int, log: Path | None, setting: str) -> dict[str, Any]:
@@ -259,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("folder", type=Path)
     p = sub.add_parser("tests")
     p.add_argument("junit", type=Path)
+    sub.choices["plan"].add_argument("--plan-json", type=Path, help="the gputrain plan --json the run's plan is of")
     p = sub.add_parser("mark")
     p.add_argument("name")
     p.add_argument("verdict", choices=("pass", "skipped", "fail"))
@@ -284,7 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "recipe":
         result = check_recipe(args.name, args.folder, args.exit_code, args.log, args.setting)
     elif args.command == "plan":
-        result = check_plan(args.name, args.folder, args.exit_code, args.log, args.setting)
+        result = check_plan(check_run(args.name, [args.folder], args.exit_code, args.log, args.setting), args.folder,
+                            args.plan_json)
     elif args.command == "images":
         result = check_images(args.name, args.folder, args.exit_code, args.log, args.setting)
     elif args.command == "tests":

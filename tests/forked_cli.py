@@ -15,8 +15,9 @@ What a fork cannot give, so such tests keep ``subprocess``: code that runs when 
 (``sitecustomize.py`` on ``PYTHONPATH``, as the core-install tests use), environment variables torch reads when it is
 imported (the thread count is set from ``OMP_NUM_THREADS`` here, as torch would at start), another ``gputrain`` on
 the command's ``PYTHONPATH`` (the server's preloaded package is the one that runs: the test worker's, which under
-``make mutants`` is the planted copy), the cost of start-up itself, and tests that signal or wait on the command
-while it runs (``subprocess.Popen``).
+``make mutants`` is the planted copy), and the cost of start-up itself. A test that signals the command or reads its
+output while it runs uses :func:`start_gputrain`'s ``pid`` (its own session and process group), ``stdout_so_far``
+and ``kill``.
 """
 
 from __future__ import annotations
@@ -121,6 +122,26 @@ class Started:
                              _site_path(), self._out, self._err))
         self.process = _forkserver().Process(target=_command, args=(call,), name="gputrain")
         self.process.start()
+
+    @property
+    def pid(self) -> int:
+        """Its process id, which is also its process group's and session's (it runs in a session of its own)."""
+        assert self.process.pid is not None
+        return self.process.pid
+
+    def kill(self) -> None:
+        """SIGKILL to its whole process group (the ranks it started too), if it still runs; then reap it."""
+        if self.process.exitcode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.join()
+        if self._folder is not None:
+            self._folder.cleanup()
+
+    def stdout_so_far(self) -> str:
+        """What it has written to stdout yet (the default streams only)."""
+        assert self._folder is not None
+        return Path(self._out).read_text(errors="replace")
 
     def wait(self, timeout: float | None = None) -> subprocess.CompletedProcess[str]:
         """Its end, as ``subprocess.run`` gives it; past ``timeout`` s its process group is killed and

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import subprocess
-import sys
 import tarfile
 from pathlib import Path
 
@@ -60,8 +58,8 @@ def test_a_checksum_mismatch_is_one_line_and_leaves_no_archive(tmp_path, archive
 
 def test_the_default_is_torchvisions_url_and_md5_and_offline_is_one_line_before_any_worker(tmp_path):
     root = tmp_path / "data"
-    done = subprocess.run([sys.executable, "-m", "gputrain", "train", "cifar10-resnet18", "--data-root", str(root),
-                           "data.download=true"], capture_output=True, text=True, env=ENV, timeout=300)
+    done = run_gputrain(["train", "cifar10-resnet18", "--data-root", str(root), "data.download=true"], env=ENV,
+                        timeout=300)
     assert done.returncode == 2, done.stderr
     tv = torchvision.datasets.CIFAR10
     lines = done.stderr.strip().splitlines()

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from forked_cli import run_gputrain
+from forked_cli import run_gputrain, start_gputrain
 
 HERE = Path(__file__).parent
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
@@ -112,24 +112,23 @@ def _stop_one_worker(tmp_path: Path, sig: signal.Signals, victim: int, slow: int
     steps.mkdir()
     env = {**ENV, "GPUTRAIN_TEST_STEPS_DIR": str(steps), "GPUTRAIN_TEST_SLOW_RANK": str(slow)}
     out = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "gputrain", "train", str(recipe), "--devices", "2", "--epochs",
-                             "500", "--out", str(out)], env=env, text=True, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, start_new_session=True)
+    # The launcher forked from the preloaded server, in a session of its own (tests/forked_cli.py); its ranks are
+    # new interpreters, as for a user.
+    command = start_gputrain(["train", str(recipe), "--devices", "2", "--epochs", "500", "--out", str(out)], env=env)
     try:
         deadline = time.monotonic() + 240  # a bound for a broken run, not a speed check
         while not all((steps / f"rank{r}").is_file() and int((steps / f"rank{r}").read_text()) >= 2 for r in (0, 1)):
-            assert proc.poll() is None and time.monotonic() < deadline, "the run ended or never reached step 2"
+            assert command.process.exitcode is None and time.monotonic() < deadline, "the run ended or never reached 2"
             time.sleep(0.05)
-        pids = _worker_pids(proc.pid)
+        pids = _worker_pids(command.pid)
         assert sorted(pids) == [0, 1], pids
         os.kill(pids[victim], sig)
-        stdout, stderr = proc.communicate(timeout=120)  # a rank left waiting forever ends here, as a failure
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
+    except BaseException:
+        command.kill()
+        raise
+    done = command.wait(timeout=120)  # a rank left waiting forever ends here (its group killed), as a failure
     reached = {r: int((steps / f"rank{r}").read_text()) for r in (0, 1)}
-    return proc.returncode, stdout, stderr, reached
+    return done.returncode, done.stdout, done.stderr, reached
 
 
 @pytest.mark.parametrize("sig, victim, slow, code", [

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -18,6 +16,7 @@ import pytest
 import torch
 
 from first_hour import ENV, TINY, gputrain, make_workdir
+from forked_cli import start_gputrain
 
 
 @pytest.fixture(scope="module")
@@ -29,21 +28,24 @@ def workdir(tmp_path_factory) -> Path:
 
 
 def _interrupt(workdir: Path, out: Path, devices: str, sig: signal.Signals, *, group: bool, epochs: int = 60):
-    """Start a long run, send ``sig`` once the first epoch is logged; (exit code, stdout, stderr, seconds to exit)."""
+    """Start a long run, send ``sig`` once the first epoch is logged; (exit code, stdout, stderr).
+
+    The command is forked from the preloaded server (tests/forked_cli.py), in a session of its own as a shell's job
+    is: its ranks are new interpreters, as for a user."""
     args = ["train", "autoencoder", *TINY, "--devices", devices, "--epochs", str(epochs), "--batch-size", "2",
             "--out", str(out), "trainer.loggers=[]"]
-    proc = subprocess.Popen([sys.executable, "-m", "gputrain", *args], cwd=workdir, env=ENV, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
-    lines = []
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        lines.append(line)
-        if line.startswith("epoch 1:"):
-            break
-    sent = time.monotonic()
-    os.killpg(proc.pid, sig) if group else os.kill(proc.pid, sig)  # Ctrl-C reaches the whole group
-    out, err = proc.communicate(timeout=120)
-    return proc.returncode, "".join(lines) + out, err, time.monotonic() - sent
+    command = start_gputrain(args, env=ENV, cwd=workdir)
+    try:
+        deadline = time.monotonic() + 120
+        while not any(line.startswith("epoch 1:") for line in command.stdout_so_far().splitlines()):
+            assert command.process.exitcode is None and time.monotonic() < deadline, command.stdout_so_far()
+            time.sleep(0.05)
+    except BaseException:
+        command.kill()
+        raise
+    os.killpg(command.pid, sig) if group else os.kill(command.pid, sig)  # Ctrl-C reaches the whole group
+    done = command.wait(timeout=120)
+    return done.returncode, done.stdout, done.stderr
 
 
 def _weights(path: Path) -> dict[str, torch.Tensor]:
@@ -51,15 +53,17 @@ def _weights(path: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("devices, sig, group, code", [
-    pytest.param("2", signal.SIGINT, True, 130, marks=pytest.mark.slow),
-    # In the fast tier: the ranks run in sessions of their own, so the launcher's forwarding is the only way
+    # Ctrl-C to 2 ranks: test_3_resume_after_ctrl_c_ends_with_the_uninterrupted_weights. In the fast tier: the ranks run in sessions of their own, so the launcher's forwarding is the only way
     # a signal sent to it reaches them.
     ("2", signal.SIGTERM, False, 143),
     pytest.param("1", signal.SIGINT, True, 130, marks=pytest.mark.slow),
 ])
 def test_3_an_interrupt_stops_cleanly_with_one_line(workdir, tmp_path, devices, sig, group, code):
     out = tmp_path / "run"
-    rc, stdout, stderr, _ = _interrupt(workdir, out, devices, sig, group=group)
+    _assert_stopped_cleanly(out, *_interrupt(workdir, out, devices, sig, group=group), code)
+
+
+def _assert_stopped_cleanly(out: Path, rc: int, stdout: str, stderr: str, code: int) -> None:
     interrupted = [line for line in stdout.splitlines() if line.startswith("interrupted at epoch")]
     assert rc == code and len(interrupted) == 1, (stdout, stderr)
     assert f"--resume auto --out {out}" in interrupted[0]
@@ -72,8 +76,7 @@ def test_3_resume_after_ctrl_c_ends_with_the_uninterrupted_weights(workdir, tmp_
     out = tmp_path / "interrupted"
     # 12 epochs: the signal goes out as soon as epoch 1 is logged, seconds before the run could end (which
     # would fail the exit code check), and the resumed and uninterrupted runs stay short.
-    rc, _, stderr, _ = _interrupt(workdir, out, "2", signal.SIGINT, group=True, epochs=12)
-    assert rc == 130, stderr
+    _assert_stopped_cleanly(out, *_interrupt(workdir, out, "2", signal.SIGINT, group=True, epochs=12), 130)
     common = ("train", "autoencoder", *TINY, "--devices", "2", "--epochs", "12", "--batch-size", "2",
               "trainer.loggers=[]")
     resumed = gputrain(*common, "--resume", "auto", "--out", str(out), cwd=workdir)

@@ -126,14 +126,16 @@ def test_a_16_mixed_run_says_how_many_steps_the_loss_scaler_skipped(tmp_path):
 
 
 def _planned_run(folder: Path, device: str, *, predicted: int, peak: int, step_s: float | None,
-                 compute_s: float) -> Path:
-    """The files a plan's run writes (metrics.jsonl, summary.json with its pace, memory.json), with planted figures."""
+                 compute_s: float, waited: float = 0.0) -> Path:
+    """The files a plan's run writes (metrics.jsonl, summary.json with its pace, memory.json), with planted figures:
+    batches of 32, 8 loader workers, ``waited``: the share of each step spent waiting for data."""
     folder.mkdir(parents=True)
     (folder / "metrics.jsonl").write_text(json.dumps({"epoch": 1, "train/loss": 0.5}) + "\n")
-    pace = {"steps": 20, "step_s": compute_s, "compute_s": compute_s}
+    pace = {"steps": 20, "step_s": compute_s, "compute_s": compute_s, "data_wait_share": waited, "num_workers": 8,
+            "reader_images_per_s": 190.0}
     if step_s is not None:
         pace |= {"predicted_step_s": step_s, "step_prediction_off": round(step_s / compute_s - 1, 4)}
-    (folder / "summary.json").write_text(json.dumps({"device": device, "pace": pace}))
+    (folder / "summary.json").write_text(json.dumps({"device": device, "pace": pace, "batch_size_per_device": 32}))
     rank = {"rank": 0, "peak_bytes": peak, "how": "torch.cuda.max_memory_allocated", "predicted_bytes": predicted,
             "prediction_off": round(predicted / peak - 1, 4)}
     (folder / "memory.json").write_text(json.dumps({"ranks": [rank]}))
@@ -167,3 +169,24 @@ def test_a_plans_check_holds_memory_to_10_percent_and_a_gpus_step_time_to_20(tmp
     assert _row(table, "cpu step off").endswith("computed 100.0 ms (+100%); time not judged on a CPU |")
     assert "| **FAIL**: no memory.json with the plan's prediction" in _row(table, "not handed")
     assert "5 check(s): 2 passed, 3 failed, 0 skipped" in table
+
+
+def test_a_plans_check_fails_when_the_loader_did_not_do_what_the_plan_said(tmp_path):
+    """Its input line: 8 workers of 200 images/s give 1,600; a step of 32 images in 0.1 s takes 320/s, so the loader
+    keeps up: a GPU run that waited 40 % of its steps fails, one that waited 2 % passes; a plan that said it would
+    hold the steps up (a 10 ms step takes 3,200/s) fails when the run did not wait."""
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"input": {"images_per_s_per_worker": 200.0, "images_per_s_in_process": 180.0,
+                                          "workers": 8, "images_per_s": 1600.0, "keeps_up": True}}))
+    out = tmp_path / "out"
+    for name, step_s, waited in (("waited", 0.1, 0.4), ("kept up", 0.1, 0.02), ("said it would not", 0.01, 0.02)):
+        run = _planned_run(tmp_path / name, "cuda:0", predicted=2**30, peak=2**30, step_s=step_s, compute_s=step_s,
+                           waited=waited)
+        _checklist("plan", name, run, "--out", out, "--plan-json", plan)
+    table = _checklist("table", out).stdout
+    assert "| **FAIL**: the input prediction was wrong; " in _row(table, "waited")
+    assert _row(table, "waited").endswith("input: predicted to keep up (200 images/s a worker; the run's readers 190), "
+                                          "the steps waited 40% of their time with 8 worker(s) |")
+    assert _row(table, "kept up").startswith("| kept up |") and "| pass: " in _row(table, "kept up")
+    assert "| **FAIL**: the input prediction was wrong; " in _row(table, "said it would not")
+    assert "input: predicted to hold the steps up" in _row(table, "said it would not")
