@@ -67,8 +67,9 @@ def check_plan(result: dict[str, Any], run: Path, plan_json: Path | None = None)
         keeps_up = _keeps_up(planned, facts["batch_size_per_device"] / pace["predicted_step_s"])
         result |= {"input_keeps_up_predicted": keeps_up, "input_per_worker_predicted": planned["images_per_s_per_worker"],
                    "input_per_reader_measured": pace.get("reader_images_per_s")}
-        said.append(f"input: predicted to {'keep up' if keeps_up else 'hold the steps up'} "
-                    f"({planned['images_per_s_per_worker']:.0f} images/s a worker; the run's readers "
+        rate = (f"{planned['images_per_s_per_worker']:.0f} images/s a worker" if planned["workers"] else
+                f"{planned['images_per_s_in_process']:.0f} images/s in the training process")
+        said.append(f"input: predicted to {'keep up' if keeps_up else 'hold the steps up'} ({rate}; the run's readers "
                     f"{pace.get('reader_images_per_s') or 0:.0f}), the steps waited {pace['data_wait_share']:.0%} "
                     f"of their time with {pace['num_workers']} worker(s)")
         if gpu and planned["workers"] == pace["num_workers"] and keeps_up == (pace["data_wait_share"] > WAIT_SHARE):
