@@ -123,7 +123,7 @@ plans() {  # NAME LABEL SLUG SETTING OVERRIDES...: the recipe's plans for one de
   # shellcheck disable=SC2086
   $PY -m gputrain plan "$name" --accelerator "$ACC" --devices 1 --json "$R/$slug/plan.json" "$@" $GPU_ARGS 2>&1 \
     | tee "$OUT/logs/$slug.log"
-  local code=${PIPESTATUS[0]} one values words
+  local code=${PIPESTATUS[0]} one values words trained=0
   if [ "$code" != 0 ]; then
     check mark "$label" fail --why "gputrain plan: exit $code: $(grep -i error "$OUT/logs/$slug.log" | tail -n 1)" \
       --setting "$setting"
@@ -131,6 +131,7 @@ plans() {  # NAME LABEL SLUG SETTING OVERRIDES...: the recipe's plans for one de
   fi
   while IFS=$'\t' read -r one values; do
     read -ra words <<< "$values"  # word by word, no globbing: parallel.split_points=[layer3]
+    trained=$((trained + 1))
     over_budget "$label $one" "$setting" && continue
     # shellcheck disable=SC2086
     $PY -m gputrain train "$name" --accelerator "$ACC" --epochs 1 --out "$R/${slug}_$one" --overwrite \
@@ -140,6 +141,8 @@ plans() {  # NAME LABEL SLUG SETTING OVERRIDES...: the recipe's plans for one de
     check plan "$label $one" "$R/${slug}_$one" --exit-code "${PIPESTATUS[0]}" --log "$OUT/logs/${slug}_$one.log" \
       --setting "$setting; $values" --plan-json "$R/$slug/plan.json"
   done < <($PY scripts/gpu_checklist.py plans "$R/$slug/plan.json")
+  [ "$trained" -gt 0 ] || check mark "$label" fail --why "gputrain plan found no plan for one device that fits" \
+    --setting "$setting"
 }
 
 run_recipe() {  # the data and settings of each built-in recipe
