@@ -1623,6 +1623,9 @@ FAULTS: tuple[Fault, ...] = (
           "src/gputrain/engine/record.py", (("    if not (launch.elastic or restarts_left()):", "    if True:"),),
           ("tests/unit/test_signals.py::test_the_interrupt_line_says_when_torchrun_will_restart_the_workers_by_itself",)),
     # -- issue 42: the input pipeline in the plan ----------------------------------------------------------
+    Fault("[42] the plan suggests GPU decoding where the node's workers would keep up", "src/gputrain/tools/plan/input.py",
+          (("        if self.suggested_workers > self.cores_per_process:", "        if True:"),),
+          ("tests/unit/test_input_plan.py::test_gpu_decoding_is_suggested_only_where_every_core_of_the_node_would_still_hold_the_steps_up",)),
     Fault("[42] the plan's loader ignores the worker count", "src/gputrain/tools/plan/input.py",
           (("    given = per_worker * workers if workers else in_process", "    given = per_worker"),),
           ("tests/unit/test_input_plan.py::test_workers_the_step_needs_are_suggested_and_a_loader_slower_than_the_step_is_input_bound",)),

@@ -14,7 +14,7 @@ from torch.utils.data import Dataset
 
 from gputrain.cli import main
 from gputrain.config import load_config
-from gputrain.tools.plan.input import input_plan, time_reads
+from gputrain.tools.plan.input import InputPlan, input_plan, time_reads
 
 SLEEP_S = 0.02
 
@@ -123,6 +123,22 @@ def test_workers_the_step_needs_are_suggested_and_a_loader_slower_than_the_step_
     none = input_plan(load_config(None, ["data.num_workers=0"]), *_plan(batch=1, step_s=0.1), 0.001,
                       processes_per_node=1)
     assert none.keeps_up and none.workers == 0
+
+
+def test_gpu_decoding_is_suggested_only_where_every_core_of_the_node_would_still_hold_the_steps_up():
+    """On an H200 with 16 cores, decoding in the workers reached 0.99 of synthetic data and decoding on the GPU 0.30
+    (docs/benchmarks.md, 2026-11-30): where enough workers keep up, the plan names the workers, never
+    ``data.decode_on_device``; only where all of the node's cores per process fall short is it worth trying."""
+    def loader(needed: float, cores: int) -> InputPlan:  # 1 worker configured, 100 images/s a worker
+        return InputPlan(images_per_s_per_worker=100.0, images_per_s_in_process=90.0, workers=1,
+                         suggested_workers=int(-(-needed * 1.25 // 100)), images_per_s=100.0, needed_per_s=needed,
+                         keeps_up=False, cores_per_process=cores)
+
+    workers_do = loader(1200.0, cores=16).line()  # 15 workers keep up
+    assert workers_do.endswith("input-bound; set data.num_workers=15") and "decode_on_device" not in workers_do
+    too_few = loader(1200.0, cores=8).line()
+    assert "even 8 worker(s) (this node's cores per process) give 800" in too_few
+    assert too_few.endswith("data.decode_on_device=true on a GPU")
 
 
 def test_plan_says_a_slow_loader_is_input_bound_in_its_table_and_json(tmp_path, capsys, monkeypatch):
