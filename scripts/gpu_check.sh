@@ -14,13 +14,15 @@
 #   images   ResNet-50 images/s on real JPEGs and on synthetic data (gputrain bench throughput), decoding in the
 #            loader workers, then on the GPU (data.decode_on_device=true)
 #   plan     not in the whole list (a lease of its own): for every built-in recipe, at the recipes' settings,
-#            `gputrain plan --devices 1`, then each plan that fits trained for $PLAN_STEPS steps [22] against its own
+#            `gputrain plan --devices 1`, then each plan that fits trained for $PLAN_STEPS steps against its own
 #            predictions (trainer.measure_memory=true): peak memory within 10 % of what the run measures
-#            (torch.cuda.max_memory_allocated), step time within 20 %; plan:NAME plans one recipe
+#            (torch.cuda.max_memory_allocated), step time within 20 %, and the plan's input line not refuted by the
+#            steps' data waits (scripts/gpu_checklist_plan.py); plan:NAME plans one recipe
 #
 # Each check writes its figures and verdict as JSON to $OUT/checks/ (scripts/gpu_checklist.py) and its output to
 # $OUT/logs/. At the end the script prints one markdown table of every check in $OUT (also $OUT/checklist.md) and
-# exits 1 when a check failed: a run that ended non-zero or logged a NaN/inf loss, or a failed CUDA test.
+# exits 1 when a check failed: a run that ended non-zero or logged a NaN/inf loss, or a failed CUDA test (2: an unknown
+# part, before anything runs).
 # Data sets and run folders stay on the machine ($GPU_DATA, $GPU_RUNS): made once, reused by later commands.
 #
 # Time: about 15 minutes for the whole list on an H100/H200 (estimated from earlier GPU runs, not yet timed as one).
@@ -34,7 +36,7 @@
 #
 # Settings (environment; defaults in brackets): GPU_ACC [cuda], PYTHON [python3], BUDGET_S (no check starts after
 # this many seconds; 0: no limit) [0], SPENT_S (seconds of the budget an earlier command of the lease spent) [0],
-# EPOCHS [3], WORKERS
+# EPOCHS [3], PLAN_STEPS (steps of each plan's run in the plan part) [22], WORKERS
 # (data.num_workers) [auto], GPU_ARGS (overrides added to every run, e.g. trainer.log_every_n_steps=1 to see where a
 # NaN begins) [none],
 # counts of generated images FRAMES_COUNT [2000], CIFAR_COUNT [12000], PER_CLASS (JPEGs per class, 10 classes)

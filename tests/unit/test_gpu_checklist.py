@@ -174,12 +174,13 @@ def test_a_plans_check_holds_memory_to_10_percent_and_a_gpus_step_time_to_20(tmp
 def test_a_plans_check_fails_when_the_loader_did_not_do_what_the_plan_said(tmp_path):
     """Its input line: 8 workers of 200 images/s give 1,600; a step of 32 images in 0.1 s takes 320/s, so the loader
     keeps up: a GPU run that waited 40 % of its steps fails, one that waited 2 % passes; a plan that said it would
-    hold the steps up (a 10 ms step takes 3,200/s) fails when the run did not wait."""
+    hold the steps up (a 10 ms step takes 3,200/s) fails when the run waited under 5 %, not at 14 %."""
     plan = tmp_path / "plan.json"
     plan.write_text(json.dumps({"input": {"images_per_s_per_worker": 200.0, "images_per_s_in_process": 180.0,
                                           "workers": 8, "images_per_s": 1600.0, "keeps_up": True}}))
     out = tmp_path / "out"
-    for name, step_s, waited in (("waited", 0.1, 0.4), ("kept up", 0.1, 0.02), ("said it would not", 0.01, 0.02)):
+    for name, step_s, waited in (("waited", 0.1, 0.4), ("kept up", 0.1, 0.02), ("said it would not", 0.01, 0.02),
+                                 ("at the border", 0.01, 0.14)):
         run = _planned_run(tmp_path / name, "cuda:0", predicted=2**30, peak=2**30, step_s=step_s, compute_s=step_s,
                            waited=waited)
         _checklist("plan", name, run, "--out", out, "--plan-json", plan)
@@ -190,3 +191,5 @@ def test_a_plans_check_fails_when_the_loader_did_not_do_what_the_plan_said(tmp_p
     assert _row(table, "kept up").startswith("| kept up |") and "| pass: " in _row(table, "kept up")
     assert "| **FAIL**: the input prediction was wrong; " in _row(table, "said it would not")
     assert "input: predicted to hold the steps up" in _row(table, "said it would not")
+    # Between 5 % and 20 % of the step waiting, neither prediction is refuted (the plan's border lies there).
+    assert "| pass: " in _row(table, "at the border") and "hold the steps up" in _row(table, "at the border")
