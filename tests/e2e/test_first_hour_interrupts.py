@@ -53,7 +53,8 @@ def _weights(path: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("devices, sig, group, code", [
-    # Ctrl-C to 2 ranks: test_3_resume_after_ctrl_c_ends_with_the_uninterrupted_weights. In the fast tier: the ranks run in sessions of their own, so the launcher's forwarding is the only way
+    # Ctrl-C to 2 ranks: test_3_resume_after_ctrl_c_ends_with_the_uninterrupted_weights interrupts them so.
+    # In the fast tier: the ranks run in sessions of their own, so the launcher's forwarding is the only way
     # a signal sent to it reaches them.
     ("2", signal.SIGTERM, False, 143),
     pytest.param("1", signal.SIGINT, True, 130, marks=pytest.mark.slow),
