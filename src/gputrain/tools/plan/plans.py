@@ -88,7 +88,7 @@ class Plan:
 
     def as_json(self) -> dict[str, Any]:
         worst = max(self.per_device, key=lambda m: m.peak)
-        return {"strategy": self.strategy, "devices": self.devices, "batch_size": self.batch_size,
+        return {"label": self.label, "strategy": self.strategy, "devices": self.devices, "batch_size": self.batch_size,
                 "global_batch": self.global_batch, "micro_batches": self.micro_batches,
                 "schedule": self.schedule or None, "split_points": list(self.split_points),
                 "activation_checkpointing": self.activation_checkpointing, "peak_memory_bytes": self.peak,
