@@ -220,7 +220,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     if args.command == "plans":
-        print("\n".join(one_device_plans(args.plan_json)))
+        try:
+            print("\n".join(one_device_plans(args.plan_json)))
+        except (OSError, ValueError, KeyError) as err:
+            print(f"gpu_checklist.py: {args.plan_json} is not a gputrain plan --json file ({type(err).__name__}: {err});"
+                  " run gputrain plan RECIPE --json FILE first", file=sys.stderr)
+            return 2
         return 0
     if args.command == "table":
         checks = load(args.folders)

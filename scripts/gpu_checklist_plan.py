@@ -85,7 +85,8 @@ def check_plan(result: dict[str, Any], run: Path, plan_json: Path | None = None)
 
 
 def _keeps_up(planned: dict[str, Any], needed: float) -> bool:
-    """The plan's rule (gputrain.tools.plan.input) for this plan's images/s: the workers give at least what the step
+    """The plan's rule (``gputrain.tools.plan.input.input_plan``, restated: this script reads JSON with the standard
+    library alone, on any machine) for this plan's images/s: the workers give at least what the step
     takes; without workers the reads, in series with each step, take a tenth of it or less."""
     if planned["workers"]:
         return bool(planned["images_per_s"] >= needed)
@@ -98,7 +99,5 @@ def one_device_plans(plan_json: Path) -> list[str]:
     lines = []
     for plan in json.loads(plan_json.read_text())["plans"]:
         if plan["devices"] == 1 and plan["fits"]:
-            label = plan["strategy"] + (f"-{plan['schedule']}" if plan["strategy"] == "pipeline" else "")
-            label += "+ac" if plan["activation_checkpointing"] else ""
-            lines.append(f"{label}\t{' '.join(plan['overrides'] + plan['predictions'])}")
+            lines.append(f"{plan['label']}\t{' '.join(plan['overrides'] + plan['predictions'])}")
     return lines

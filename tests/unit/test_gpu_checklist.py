@@ -193,3 +193,13 @@ def test_a_plans_check_fails_when_the_loader_did_not_do_what_the_plan_said(tmp_p
     assert "input: predicted to hold the steps up" in _row(table, "said it would not")
     # Between 5 % and 20 % of the step waiting, neither prediction is refuted (the plan's border lies there).
     assert "| pass: " in _row(table, "at the border") and "hold the steps up" in _row(table, "at the border")
+
+
+def test_plans_of_a_file_that_is_not_a_plan_is_one_line_naming_it(tmp_path):
+    for path, why in ((tmp_path / "missing.json", "FileNotFoundError"), (tmp_path / "other.json", "KeyError: 'plans'")):
+        if path.name == "other.json":
+            path.write_text('{"ranks": []}')
+        done = _checklist("plans", path)
+        assert done.returncode == 2 and done.stdout == ""
+        assert done.stderr.splitlines() == [done.stderr.strip()] and f"{path} is not a gputrain plan --json file" in \
+            done.stderr and why in done.stderr
