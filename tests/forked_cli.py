@@ -129,12 +129,16 @@ class Started:
         assert self.process.pid is not None
         return self.process.pid
 
-    def kill(self) -> None:
+    def _end_group(self) -> None:
         """SIGKILL to its whole process group (the ranks it started too), if it still runs; then reap it."""
         if self.process.exitcode is None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.process.pid, signal.SIGKILL)
             self.process.join()
+
+    def kill(self) -> None:
+        """End it and its process group now (a test that failed while it ran), and drop its output."""
+        self._end_group()
         if self._folder is not None:
             self._folder.cleanup()
 
@@ -148,12 +152,7 @@ class Started:
         ``subprocess.TimeoutExpired`` raised, as ``subprocess.run`` does."""
         self.process.join(timeout)
         timed_out = self.process.exitcode is None
-        if timed_out:
-            try:
-                os.killpg(self.process.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            self.process.join()
+        self._end_group()
         stdout, stderr = "", ""
         if self._folder is not None:
             stdout, stderr = (Path(p).read_text(errors="replace") for p in (self._out, self._err))
